@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hyperacc",
+    version="0.1.0",
+    description="FSDP2 training for large language models on Ascend NPUs, CUDA GPUs and CPUs, "
+                "launched with accelerate.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hyperacc", "hyperacc.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        "torch>=2.6",
+        "accelerate>=1.0",
+        "transformers>=4.51",
+        "datasets>=2.18",
+        "tokenizers>=0.19",
+        "safetensors>=0.4",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "megatron-core==0.16.1"],
+        "npu": ["torch-npu"],
+        "tensorboard": ["tensorboard"],
+    },
+)
