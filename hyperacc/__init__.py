@@ -1,8 +1,18 @@
 """hyperacc: FSDP2 training for LLMs on NPU, CUDA and CPU with an accelerate-shaped API."""
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
-from hyperacc.data.loader import MicroBatchDataLoader
-from hyperacc.accelerator import Accelerator, prepare
 
 __version__ = "0.1.0"
 __all__ = ["Accelerator", "ParallelConfig", "FSDPConfig", "CheckpointConfig", "MicroBatchDataLoader",
            "prepare"]
+
+
+def __getattr__(name):
+    # Imported lazily so that light modules (config, data.megatron, the convert CLI) do not pull in
+    # torch.distributed and transformers.
+    if name in ("Accelerator", "prepare"):
+        from hyperacc import accelerator
+        return getattr(accelerator, name)
+    if name == "MicroBatchDataLoader":
+        from hyperacc.data.loader import MicroBatchDataLoader
+        return MicroBatchDataLoader
+    raise AttributeError(f"module 'hyperacc' has no attribute {name!r}")
