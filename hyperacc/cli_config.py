@@ -569,10 +569,11 @@ def _parse_argv(schema_cls, argv: Sequence[str]) -> Tuple[Optional[str], List[Tu
             yaml_path = token
             continue
         body = token[2:]
+        name = body.split("=", 1)[0]
+        _check_flag_name(schema_cls, name, token)
         if "=" in body:
-            name, text = body.split("=", 1)
+            text = body.split("=", 1)[1]
         else:
-            name = body
             tp = _type_at(schema_cls, name.split("."))
             nxt = argv[i] if i < len(argv) else None
             if _is_bool_type(tp) and (nxt is None or nxt.lower() not in _BOOL_WORDS):
@@ -583,16 +584,20 @@ def _parse_argv(schema_cls, argv: Sequence[str]) -> Tuple[Optional[str], List[Tu
                 text = nxt
                 i += 1
         path = name.split(".")
-        if not name or any(not part for part in path):
-            raise ConfigError(f"Malformed option {token!r}. Fix: --section.field=value.")
-        if len(path) < 2:
-            sections = [f.name for f in dataclasses.fields(schema_cls)]
-            if name in sections:
-                raise ConfigError(f"--{name}: give a field of the section, e.g. --{name}.<field>=value.")
-            raise ConfigError(f"Unknown section {name!r} in {token!r}.{_did_you_mean(name, sections)} "
-                              f"Fix: use --section.field=value with a section among: {', '.join(sections)}.")
         overrides.append((path, _CliValue(text, token)))
     return yaml_path, overrides
+
+
+def _check_flag_name(schema_cls, name: str, token: str):
+    path = name.split(".")
+    if not name or any(not part for part in path):
+        raise ConfigError(f"Malformed option {token!r}. Fix: --section.field=value.")
+    if len(path) < 2:
+        sections = [f.name for f in dataclasses.fields(schema_cls)]
+        if name in sections:
+            raise ConfigError(f"--{name}: give a field of the section, e.g. --{name}.<field>=value.")
+        raise ConfigError(f"Unknown section {name!r} in {token!r}.{_did_you_mean(name, sections)} "
+                          f"Fix: use --section.field=value with a section among: {', '.join(sections)}.")
 
 
 def _set_path(data: dict, path: List[str], value):

@@ -1,0 +1,199 @@
+"""YAML + typed CLI overrides (hyperacc.cli_config): parsing, type checks, errors, _target_ nodes."""
+import dataclasses
+from typing import List, Literal, Optional
+
+import pytest
+import torch
+
+from hyperacc.cli_config import (Component, ConfigError, TrainConfig, build_config, config_help,
+                                 dump_config, format_config, load_config, parse_config, save_config)
+from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig, explicit_fields
+
+
+def write(tmp_path, text, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# A small schema exercising every supported field type.
+@dataclasses.dataclass
+class Knobs:
+    count: int = 1
+    ratio: float = 0.5
+    flag: bool = False
+    name: str = "x"
+    maybe: Optional[int] = None
+    maybe_str: Optional[str] = "set"
+    items: List[int] = dataclasses.field(default_factory=list)
+    words: Optional[list] = None
+    mode: Literal["a", "b"] = "a"
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def _double(value, scale=2, offset=0):
+    return value * scale + offset
+
+
+@dataclasses.dataclass
+class Schema:
+    knobs: Knobs = dataclasses.field(default_factory=Knobs)
+    fsdp: FSDPConfig = dataclasses.field(default_factory=FSDPConfig)
+    fn: Component = dataclasses.field(
+        default_factory=lambda: Component("test_cli_config._double", {"scale": 3}))
+
+
+def test_defaults_without_yaml_or_args():
+    cfg = parse_config(TrainConfig, argv=[])
+    assert cfg == TrainConfig()
+    assert cfg.training.mode == "production" and cfg.optimizer.target == "torch.optim.AdamW"
+    assert explicit_fields(cfg.fsdp) == set() and explicit_fields(cfg.parallel) == set()
+
+
+def test_yaml_load_and_cli_overrides_of_every_type(tmp_path):
+    path = write(tmp_path, "knobs:\n  count: 4\n  ratio: 1e-4\n  name: from_yaml\n  extra: {a: 1}\n")
+    cfg = parse_config(Schema, argv=[
+        str(path), "--knobs.count=7", "--knobs.ratio", "2", "--knobs.flag", "--knobs.name=123",
+        "--knobs.maybe=5", "--knobs.maybe_str=null", "--knobs.items=[1,2,3]", "--knobs.words=u,v",
+        "--knobs.mode", "b", "--knobs.extra.b=[1, 2]"])
+    k = cfg.knobs
+    assert (k.count, k.ratio, k.flag, k.name, k.maybe, k.maybe_str) == (7, 2.0, True, "123", 5, None)
+    assert isinstance(k.ratio, float)
+    assert k.items == [1, 2, 3] and k.words == ["u", "v"] and k.mode == "b"
+    assert k.extra == {"a": 1, "b": [1, 2]}
+    # YAML alone: "1e-4" (PyYAML reads it as a string) is accepted for a float field.
+    assert parse_config(Schema, yaml_path=path, argv=[]).knobs.ratio == pytest.approx(1e-4)
+
+
+def test_bool_flag_forms():
+    assert parse_config(Schema, argv=["--knobs.flag=false"]).knobs.flag is False
+    assert parse_config(Schema, argv=["--knobs.flag", "no"]).knobs.flag is False
+    cfg = parse_config(Schema, argv=["--knobs.flag", "--knobs.count=2"])
+    assert cfg.knobs.flag is True and cfg.knobs.count == 2
+
+
+def test_fixed_train_flags():
+    cfg = parse_config(TrainConfig, argv=[
+        "--training.max_steps=3", "--training.global_batch_size=16", "--training.micro_batch_size=4",
+        "--training.seed=7", "--training.mode=validate", "--fsdp.activation_checkpointing=true",
+        "--checkpoint.checkpoint_dir=/tmp/ck", "--checkpoint.save_steps=2",
+        "--checkpoint.restore_from=LATEST", "--logging.metrics_file=m.jsonl", "--training.dry_run",
+        "--optimizer.lr=1e-3", "--model.overrides.hidden_size=64"])
+    t = cfg.training
+    assert (t.max_steps, t.global_batch_size, t.micro_batch_size, t.seed, t.mode, t.dry_run) == \
+        (3, 16, 4, 7, "validate", True)
+    assert cfg.fsdp.activation_checkpointing is True
+    assert (cfg.checkpoint.checkpoint_dir, cfg.checkpoint.save_steps, cfg.checkpoint.restore_from) == \
+        ("/tmp/ck", 2, "LATEST")
+    assert cfg.logging.metrics_file == "m.jsonl"
+    assert cfg.optimizer.lr == 1e-3 and cfg.model.overrides == {"hidden_size": 64}
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--trainig.max_steps=3"], ["trainig", "Did you mean 'training'"]),
+    (["--training.max_step=3"], ["training.max_step", "Did you mean 'max_steps'"]),
+    (["--training.max_steps=abc"], ["--training.max_steps=abc", "must be int", "Fix"]),
+    (["--training.max_steps=2.5"], ["must be int"]),
+    (["--training.dry_run=maybe"], ["must be bool"]),
+    (["--training.mode=valdate"], ["'validate'", "Did you mean 'validate'"]),
+    (["--fsdp.mixed_precision=fp8"], ["fsdp", "mixed_precision"]),
+    (["--training.global_batch_size=10", "--training.micro_batch_size=4"],
+     ["global_batch_size=10", "micro_batch_size=4", "multiple"]),
+    (["--optimizer._target_=torch.optim.SGD"], ["_target_", "cannot be overridden", "YAML"]),
+    (["--optimizer.lrr=0.1"], ["lrr", "Did you mean 'lr'"]),
+    (["--optimizer.lr=fast"], ["--optimizer.lr=fast", "must be float"]),
+    (["--training"], ["--training.<field>"]),
+    (["--training.max_steps"], ["has no value"]),
+    (["a.yaml", "b.yaml"], ["b.yaml"]),
+])
+def test_errors_are_config_errors_naming_key_and_fix(argv, needles):
+    with pytest.raises(ConfigError) as info:
+        parse_config(TrainConfig, argv=argv)
+    assert isinstance(info.value, ValueError)
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+
+
+def test_yaml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="Unknown section 'optimiser'.*'optimizer'"):
+        parse_config(TrainConfig, write(tmp_path, "optimiser:\n  lr: 0.1\n"), argv=[])
+    with pytest.raises(ConfigError, match="Unknown field 'training.seeed'.*'seed'"):
+        parse_config(TrainConfig, write(tmp_path, "training:\n  seeed: 1\n"), argv=[])
+    with pytest.raises(ConfigError, match="training.max_steps='ten'.*YAML file.*must be int"):
+        parse_config(TrainConfig, write(tmp_path, "training:\n  max_steps: ten\n"), argv=[])
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_config(TrainConfig, tmp_path / "missing.yaml", argv=[])
+
+
+def test_target_with_unknown_kwarg_refused_at_parse_time(tmp_path):
+    path = write(tmp_path, "optimizer:\n  _target_: torch.optim.SGD\n  lr: 0.1\n  betas: [0.9, 0.9]\n")
+    with pytest.raises(ConfigError, match="torch.optim.SGD takes no argument 'betas'"):
+        parse_config(TrainConfig, path, argv=[])
+    bad = write(tmp_path, "optimizer:\n  _target_: torch.optim.NoSuchThing\n", "bad.yaml")
+    with pytest.raises(ConfigError, match="cannot be imported"):
+        parse_config(TrainConfig, bad, argv=[])
+
+
+def test_target_from_yaml_replaces_default_kwargs_and_builds(tmp_path):
+    path = write(tmp_path, "optimizer:\n  _target_: torch.optim.SGD\n  lr: 0.5\n  momentum: 0.9\n")
+    cfg = parse_config(TrainConfig, path, argv=["--optimizer.nesterov=true"])
+    assert cfg.optimizer.kwargs == {"lr": 0.5, "momentum": 0.9, "nesterov": True}  # no AdamW betas
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = cfg.optimizer.build([param])
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.9
+
+
+def test_component_build_runtime_kwargs_win():
+    cfg = parse_config(Schema, argv=["--fn.offset=1"])
+    assert cfg.fn.kwargs == {"scale": 3, "offset": 1}
+    assert cfg.fn.build(2) == 7
+    assert cfg.fn.build(2, scale=10) == 21
+    default_adamw = TrainConfig().optimizer.build([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    assert default_adamw.defaults["lr"] == 0.01 and default_adamw.defaults["betas"] == (0.9, 0.95)
+
+
+def test_explicit_fields_tracked_from_yaml_and_cli(tmp_path):
+    path = write(tmp_path, "fsdp:\n  reshard_after_forward: false\nparallel:\n  tp_size: 1\n")
+    cfg = parse_config(TrainConfig, path, argv=["--fsdp.mixed_precision=bf16",
+                                                "--checkpoint.save_steps=5"])
+    assert type(cfg.fsdp) is FSDPConfig and type(cfg.parallel) is ParallelConfig
+    assert type(cfg.checkpoint) is CheckpointConfig
+    assert explicit_fields(cfg.fsdp) == {"reshard_after_forward", "mixed_precision"}
+    assert explicit_fields(cfg.parallel) == {"tp_size"}
+    assert explicit_fields(cfg.checkpoint) == {"save_steps"}
+    assert dump_config(cfg, explicit_only=True)["fsdp"] == {"reshard_after_forward": False,
+                                                            "mixed_precision": "bf16"}
+
+
+def test_save_load_round_trip(tmp_path):
+    cfg = parse_config(TrainConfig, argv=["--training.max_steps=9", "--optimizer.lr=2e-4",
+                                          "--model.overrides.num_hidden_layers=2",
+                                          "--fsdp.wrap_classes=[Qwen3MoeDecoderLayer]",
+                                          "--lr_scheduler.decay=linear"])
+    path = tmp_path / "saved.yaml"
+    save_config(cfg, path)
+    again = load_config(TrainConfig, path)
+    assert again == cfg
+    assert parse_config(TrainConfig, argv=[str(path)]) == cfg
+    assert dump_config(again) == dump_config(cfg)
+    text = format_config(cfg)
+    assert "max_steps: 9" in text and "_target_: torch.optim.AdamW" in text
+
+
+def test_build_config_from_dict_and_help():
+    cfg = build_config(TrainConfig, {"training": {"max_steps": 2}, "eval": {"eval_steps": 1}})
+    assert cfg.training.max_steps == 2 and cfg.eval.eval_steps == 1
+    text = config_help(TrainConfig)
+    for flag in ("--training.max_steps", "--fsdp.activation_checkpointing", "--checkpoint.restore_from",
+                 "--logging.metrics_file", "--optimizer.lr"):
+        assert flag in text
+    with pytest.raises(SystemExit):
+        parse_config(TrainConfig, argv=["--help"])
+
+
+def test_lr_factor_shapes():
+    sched = TrainConfig().lr_scheduler
+    sched.warmup_steps = 2
+    assert sched.lr_factor(0, 10) == pytest.approx(0.5)
+    assert sched.lr_factor(2, 10) == pytest.approx(1.0)
+    assert sched.lr_factor(10, 10) == pytest.approx(sched.min_lr_ratio)
