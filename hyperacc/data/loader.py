@@ -294,9 +294,12 @@ class MicroBatchDataLoader:
     # ------------------------------------------------------------------ state
     def _fingerprint(self) -> dict:
         fingerprint: dict[str, Any] = {"length": self._num_samples}
-        extra = getattr(self._dataset, "fingerprint", None)
+        extra = getattr(self._dataset, "fingerprint", None)   # optional, dataset-provided identity
         if callable(extra):
-            extra = extra()
+            try:
+                extra = extra()
+            except TypeError:                                  # not a zero-argument method: ignore
+                extra = None
         if isinstance(extra, (str, int)) and not isinstance(extra, bool):
             fingerprint["id"] = extra
         return fingerprint
