@@ -229,6 +229,8 @@ class BlendedDataset:
 def parse_blend(spec: Union[str, Sequence]) -> Tuple[List[str], Optional[List[float]]]:
     """Parse a blend: ``"PREFIX"``, ``"0.7 PREFIX_A 0.3 PREFIX_B"`` (Megatron's ``--data-path``
     form), a list of prefixes, or a list ``[w1, p1, w2, p2, ...]``. Returns (prefixes, weights)."""
+    if isinstance(spec, (str, os.PathLike)) and megatron_exists(normalize_prefix(os.fspath(spec))):
+        return [os.fspath(spec)], None
     items = spec.split() if isinstance(spec, str) else [x for x in spec]
     if not items:
         raise ValueError("empty dataset blend")

@@ -1,0 +1,119 @@
+"""The six buckets: what goes into a checkpoint and how it goes back.
+
+model and optimizer go into the DCP payload (sharded; DCP reshards them on load). progress,
+lr_scheduler(s) and the train loader are rank-identical ("shared" extra state); RNG is per rank.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import List
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from hyperacc.checkpoint import _comm
+
+logger = logging.getLogger("hyperacc.checkpoint")
+
+
+def as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def model_key(index: int) -> str:
+    return "model" if index == 0 else f"model_{index}"
+
+
+def optimizer_key(index: int) -> str:
+    return "optimizer" if index == 0 else f"optimizer_{index}"
+
+
+def warn0(message: str) -> None:
+    """Warn once per job (rank 0), not once per process."""
+    if _comm.rank() == 0:
+        warnings.warn(message, stacklevel=3)
+
+
+def optimizer_owner(models: List[nn.Module], index: int, n_optimizers: int) -> nn.Module:
+    """The module whose parameters optimizer ``index`` updates (for DCP's FQN mapping)."""
+    if len(models) == n_optimizers:
+        return models[index]
+    if len(models) == 1:
+        return models[0]
+    return nn.ModuleList(models)
+
+
+def model_state(model: nn.Module, *, trainable_only: bool = False) -> dict:
+    return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
+
+
+def optimizer_state(owner: nn.Module, optimizer) -> dict:
+    """The optimizer's sharded state dict; creates (primes) its state if it has none yet."""
+    return get_optimizer_state_dict(owner, optimizer)
+
+
+def restore_model(model: nn.Module, state: dict, *, strict: bool) -> None:
+    set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
+
+
+def restore_optimizer(owner: nn.Module, optimizer, state: dict) -> None:
+    set_optimizer_state_dict(owner, optimizer, state)
+
+
+# --------------------------------------------------------------------------- shared extra state
+def _plain(obj):
+    """numpy values -> Python/tensors so that the state loads with weights_only=True."""
+    if isinstance(obj, dict):
+        return type(obj)((k, _plain(v)) for k, v in obj.items()) if type(obj) is not dict else {
+            k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_plain(v) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def shared_extra_state(state) -> dict:
+    """progress, lr_scheduler(s), train loader: identical on every rank."""
+    loader = state.loader
+    return {
+        "progress": state.progress.state_dict(),
+        "schedulers": [_plain(s.state_dict()) for s in as_list(state.schedulers)],
+        "loader": _plain(loader.state_dict()) if loader is not None and hasattr(loader, "state_dict") else None,
+    }
+
+
+def restore_shared_extra_state(state, extra: dict, *, optimizer_restored: bool) -> None:
+    state.progress.load_state_dict(extra["progress"])
+
+    schedulers = as_list(state.schedulers)
+    saved = extra.get("schedulers") or []
+    if len(saved) != len(schedulers):
+        warn0(f"The checkpoint holds {len(saved)} lr_scheduler(s) but training has {len(schedulers)}: "
+              f"restoring the first {min(len(saved), len(schedulers))} pair(s) in order, the rest start fresh.")
+    for scheduler, scheduler_state in zip(schedulers, saved):
+        scheduler.load_state_dict(scheduler_state)
+        if not optimizer_restored and hasattr(scheduler, "get_last_lr"):
+            # Without optimizer state the param groups still hold the initial LR: continue the schedule.
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+
+    loader = state.loader
+    if loader is not None and hasattr(loader, "load_state_dict"):
+        if extra.get("loader") is None:
+            warn0("The checkpoint holds no train-loader state: the loader starts from its beginning.")
+        else:
+            loader.load_state_dict(extra["loader"])  # the loader validates (e.g. batch size changes)
+        if getattr(loader, "epoch", None) is not None:
+            state.progress.epoch = int(loader.epoch)

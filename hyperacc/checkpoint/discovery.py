@@ -1,0 +1,140 @@
+"""Where checkpoints live and which one "LATEST" means.
+
+Layout: ``<checkpoint_dir>/global_step_<N>/`` per save, ``.metadata`` inside it (written last by
+DCP) marks it complete, and ``<checkpoint_dir>/latest_checkpoint_iteration.txt`` holds one integer,
+the newest complete step, replaced atomically after the save finished.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+from typing import List, Optional, Tuple
+
+POINTER_FILE = "latest_checkpoint_iteration.txt"
+METADATA_FILE = ".metadata"
+STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"global_step_{int(step)}")
+
+
+def is_complete(path: str) -> bool:
+    """A checkpoint directory is complete once DCP wrote its ``.metadata`` (its last file)."""
+    return os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+def step_of(path: str) -> Optional[int]:
+    match = STEP_DIR_RE.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+def read_pointer(root: str) -> Optional[int]:
+    path = os.path.join(root, POINTER_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as handle:
+        text = handle.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        warnings.warn(f"{path} does not hold one integer ({text[:40]!r}); ignoring it and scanning "
+                      f"{root} for complete checkpoints instead.", stacklevel=2)
+        return None
+
+
+def write_pointer(root: str, step: int) -> None:
+    """Atomically replace the LATEST pointer: temp file, fsync, rename, fsync the directory."""
+    final = os.path.join(root, POINTER_FILE)
+    tmp = f"{final}.tmp.{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.write(f"{int(step)}\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def scan(root: str, *, warn_incomplete: bool = False) -> List[Tuple[int, str]]:
+    """Complete ``global_step_<N>`` directories under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = STEP_DIR_RE.match(name)
+        path = os.path.join(root, name)
+        if not match or not os.path.isdir(path):
+            continue
+        if is_complete(path):
+            found.append((int(match.group(1)), path))
+        elif warn_incomplete:
+            warnings.warn(f"Skipping incomplete checkpoint {path} (no {METADATA_FILE}: its save did not "
+                          "finish).", stacklevel=3)
+    return sorted(found)
+
+
+def find_latest(root: str) -> Optional[str]:
+    """The checkpoint "LATEST" names: the pointer's, else the newest complete directory, else None."""
+    if not os.path.isdir(root):
+        return None
+    step = read_pointer(root)
+    if step is not None:
+        path = step_dir(root, step)
+        if is_complete(path):
+            return path
+        warnings.warn(f"{os.path.join(root, POINTER_FILE)} names step {step} but {path} is missing or "
+                      "incomplete; using the newest complete checkpoint instead.", stacklevel=2)
+    complete = scan(root, warn_incomplete=True)
+    return complete[-1][1] if complete else None
+
+
+def resolve_source(source: str, checkpoint_dir: str) -> Optional[str]:
+    """Turn ``"LATEST"`` or a path into a complete checkpoint directory.
+
+    "LATEST" with nothing to resume from warns and returns None (fresh start). A path that does not
+    exist, or a step directory whose save did not finish, raises FileNotFoundError. A path that is
+    a checkpoint root (holds the pointer or step directories) means the LATEST one inside it.
+    """
+    if source == "LATEST":
+        found = find_latest(checkpoint_dir)
+        if found is None:
+            warnings.warn(f"restore_from='LATEST' but {checkpoint_dir!r} holds no complete checkpoint: "
+                          "starting from scratch.", stacklevel=2)
+        return found
+    path = os.fspath(source)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"Checkpoint directory {path!r} does not exist (restore_from / "
+                                "load_state source). Pass an existing global_step_<N> directory, a "
+                                "checkpoint root, or 'LATEST'.")
+    if is_complete(path):
+        return path
+    if os.path.isfile(os.path.join(path, POINTER_FILE)) or scan(path):
+        found = find_latest(path)
+        if found is not None:
+            return found
+    raise FileNotFoundError(f"{path!r} is not a complete checkpoint: it has no {METADATA_FILE} (the save "
+                            "that wrote it did not finish) and holds no complete global_step_<N> "
+                            "directory.")
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete one checkpoint directory, its completeness marker first (a crash leaves it incomplete)."""
+    marker = os.path.join(path, METADATA_FILE)
+    if os.path.exists(marker):
+        os.remove(marker)
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,170 @@
+"""Reading and writing checkpoint files: DCP payloads, per-rank extra state, the sentinel file.
+
+Nothing here executes code from a checkpoint: DCP's ``.metadata`` is read with a restricted
+unpickler that admits only DCP's own metadata classes, non-tensor DCP items and extra state are
+read with ``torch.load(weights_only=True)``, and the sentinel is JSON.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from concurrent.futures import Future
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+SENTINEL_FILE = "hyperacc_checkpoint.json"
+EXTRA_STATE_DIR = "extra_state"
+EMBEDDED_EXTRA_KEY = "hyperacc_extra_state"
+FORMAT_VERSION = 1
+
+
+def extra_state_path(path: str, rank: int) -> str:
+    return os.path.join(path, EXTRA_STATE_DIR, f"extra_state_rank_{rank}.pt")
+
+
+# --------------------------------------------------------------------------- safe deserialisation
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint file holds something other than tensors and plain values."""
+
+
+def load_weights_only(source, what: str):
+    """``torch.load(weights_only=True)`` with a clear error when the file holds arbitrary objects."""
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(
+            f"Refusing to load {what}: it holds objects other than tensors and plain Python values, "
+            f"and checkpoints are never unpickled with code execution ({err}).") from None
+
+
+def dumps(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def bytes_to_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def tensor_to_obj(tensor: torch.Tensor, what: str):
+    return load_weights_only(io.BytesIO(tensor.numpy().tobytes()), what)
+
+
+def atomic_save(obj, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+_ALLOWED_BUILTINS = {"set", "frozenset", "slice", "object", "complex", "bytearray", "getattr"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses, torch.Size and dtypes, and inert containers only."""
+
+    def find_class(self, module, name):
+        if module.startswith("torch.distributed.checkpoint"):
+            return super().find_class(module, name)
+        if module == "torch" and name in ("Size",) or (module == "torch" and isinstance(
+                getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        if module == "torch.distributed.tensor._dtensor_spec" or module.startswith("torch.distributed.tensor.placement"):
+            return super().find_class(module, name)
+        if (module, name) in (("collections", "OrderedDict"), ("copyreg", "__newobj__"),
+                              ("copyreg", "_reconstructor"), ("enum", "Enum")):
+            return super().find_class(module, name)
+        if module == "builtins" and name in _ALLOWED_BUILTINS - {"getattr"}:
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(f"DCP metadata references {module}.{name}, which a checkpoint's "
+                                    "metadata never needs; refusing to load it.")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose ``.metadata`` is read with a restricted unpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_dcp_metadata(path: str):
+    return SafeFileSystemReader(path).read_metadata()
+
+
+# --------------------------------------------------------------------------- load planner
+class CheckpointLoadPlanner(DefaultLoadPlanner):
+    """Strict on model keys, lenient on everything else, never unpickles with code execution.
+
+    ``strict_prefixes``: flattened-key prefixes (``"model."``) whose every key must be present in
+    the checkpoint; other keys (optimizer state) missing from the checkpoint are left as they are.
+    """
+
+    def __init__(self, strict_prefixes: Iterable[str] = ()):
+        super().__init__(allow_partial_load=True)
+        self.strict_prefixes = tuple(strict_prefixes)
+
+    def create_local_plan(self):
+        available = self.metadata.state_dict_metadata
+        missing = [key for key in self.state_dict
+                   if key.startswith(self.strict_prefixes) and key not in available]
+        if missing:
+            raise RuntimeError(f"missing model key(s) in checkpoint: {missing[:8]}"
+                               f"{' ...' if len(missing) > 8 else ''}")
+        return super().create_local_plan()
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = load_weights_only(value, f"checkpoint item {read_item.dest_index.fqn!r}")
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# --------------------------------------------------------------------------- DCP save / load
+def dcp_save(state_dict: dict, path: str, *, process_group=None) -> None:
+    dcp.save(state_dict, checkpoint_id=path, process_group=process_group)
+
+
+def dcp_async_save(state_dict: dict, path: str, *, process_group=None) -> Future:
+    """Stage ``state_dict`` to CPU memory (a copy: the caller may mutate its tensors as soon as this
+    returns) and write it in a background thread. Returns the upload future."""
+    result = dcp.async_save(state_dict, checkpoint_id=path, process_group=process_group)
+    return getattr(result, "upload_completion", result)
+
+
+def dcp_load(state_dict: dict, path: str, *, strict_prefixes=(), process_group=None) -> None:
+    dcp.load(state_dict, storage_reader=SafeFileSystemReader(path),
+             planner=CheckpointLoadPlanner(strict_prefixes), process_group=process_group)
+
+
+# --------------------------------------------------------------------------- sentinel
+def write_sentinel(path: str, info: dict) -> None:
+    os.makedirs(path, exist_ok=True)
+    final = os.path.join(path, SENTINEL_FILE)
+    tmp = f"{final}.tmp.{os.getpid()}"
+    with open(tmp, "w") as handle:
+        json.dump({"format_version": FORMAT_VERSION, **info}, handle, indent=1, sort_keys=True)
+    os.replace(tmp, final)
+
+
+def read_sentinel(path: str) -> Optional[dict]:
+    file = os.path.join(path, SENTINEL_FILE)
+    if not os.path.isfile(file):
+        return None
+    with open(file) as handle:
+        return json.load(handle)

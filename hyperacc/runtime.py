@@ -1,0 +1,165 @@
+"""The process's place in the job: device type, backend, process group, launcher.
+
+Everything here is decided once, when an `Accelerator` is built. A process group that already
+exists is reused (and left alone at the end); one that hyperacc creates is destroyed by
+`Accelerator.end_training()`. A plain `python script.py` run gets a one-process gloo group so that
+FSDP2, DTensor and DCP follow the same code path as a multi-process job.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import os
+import warnings
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+DEVICE_ENV = "HYPERACC_DEVICE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    device_type: str           # "npu" | "cuda" | "cpu"
+    backend: str               # "hccl" | "nccl" | "gloo"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    launcher: str              # "accelerate" | "torchrun" | "python"
+    owns_process_group: bool
+    cpu_group: Optional[object] = None   # gloo group for CPU-side collectives (None: the default group)
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, self.local_rank % max(1, _device_count(self.device_type)))
+
+
+def _npu_available() -> bool:
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError:
+        return False
+    return hasattr(torch, "npu") and torch.npu.is_available() and torch.npu.device_count() > 0
+
+
+def _device_count(device_type: str) -> int:
+    if device_type == "cuda":
+        return torch.cuda.device_count()
+    if device_type == "npu":
+        return torch.npu.device_count()
+    return 1
+
+
+def detect_device_type(requested: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> str:
+    """NPU when torch_npu imports and a device is present, else CUDA, else CPU.
+
+    ``requested`` (or the HYPERACC_DEVICE variable) forces a type, and fails loudly if the
+    machine cannot provide it instead of silently training somewhere else.
+    """
+    env = os.environ if env is None else env
+    requested = requested or env.get(DEVICE_ENV) or None
+    if requested is not None:
+        requested = requested.lower()
+        if requested not in BACKENDS:
+            raise ValueError(f"Unknown device type {requested!r}: use one of {sorted(BACKENDS)}.")
+        if requested == "npu" and not _npu_available():
+            raise RuntimeError("NPU requested but torch_npu is not importable or sees no NPU device. "
+                               "Install the Ascend toolkit and `pip install hyperacc[npu]` (torch-npu "
+                               "matching your torch), or request device 'cpu'/'cuda'.")
+        if requested == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("CUDA requested but torch.cuda.is_available() is False. Install a CUDA "
+                               "build of torch, or request device 'cpu'.")
+        return requested
+    if _npu_available():
+        return "npu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def detect_launcher(env: Optional[Mapping[str, str]] = None) -> str:
+    env = os.environ if env is None else env
+    if any(key.startswith("ACCELERATE_") for key in env) and "RANK" in env:
+        return "accelerate"
+    if "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
+        return "torchrun"
+    return "python"
+
+
+def _set_local_device(device_type: str, local_rank: int) -> None:
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    elif device_type == "npu":
+        torch.npu.set_device(local_rank % torch.npu.device_count())
+
+
+def init_runtime(device_type: Optional[str] = None, timeout_s: int = 1800) -> Runtime:
+    """Detect the device, start (or reuse) the process group and pin the local device."""
+    device_type = detect_device_type(device_type)
+    backend = BACKENDS[device_type]
+    launcher = detect_launcher()
+    env = os.environ
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    _set_local_device(device_type, local_rank)
+
+    owns = False
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in env and "WORLD_SIZE" in env:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            # One process, no launcher: a private in-memory store, nothing listens on a port.
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+        owns = True
+    elif dist.get_backend() != backend and device_type != "cpu":
+        warnings.warn(f"Reusing an existing process group with backend {dist.get_backend()!r} "
+                      f"although {backend!r} is the native one for {device_type}.")
+
+    cpu_group = None
+    if device_type != "cpu" and dist.get_world_size() > 1:
+        cpu_group = dist.new_group(backend="gloo")
+    return Runtime(
+        device_type=device_type, backend=backend, rank=dist.get_rank(),
+        world_size=dist.get_world_size(), local_rank=local_rank,
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+        launcher=launcher, owns_process_group=owns, cpu_group=cpu_group,
+    )
+
+
+def shutdown(runtime: Runtime) -> None:
+    """Destroy the process group if hyperacc created it."""
+    if runtime.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def device_rng_state(device_type: str):
+    """The current device generator's state, or None on CPU."""
+    if device_type == "cuda":
+        return torch.cuda.get_rng_state()
+    if device_type == "npu":
+        return torch.npu.get_rng_state()
+    return None
+
+
+def set_device_rng_state(device_type: str, state) -> None:
+    if state is None:
+        return
+    if device_type == "cuda":
+        torch.cuda.set_rng_state(state)
+    elif device_type == "npu":
+        torch.npu.set_rng_state(state)
+
+
+def synchronize(device_type: str) -> None:
+    """Wait for the device queue (for honest timings)."""
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    elif device_type == "npu":
+        torch.npu.synchronize()

@@ -1,0 +1,154 @@
+"""FSDP2 wrapping of a model: per-block `fully_shard`, meta-device materialisation,
+activation recompute, CPU offload and mixed precision.
+
+Why per block: each transformer block becomes one all-gather/reduce-scatter unit, so only one
+block's full parameters exist at a time; the root call covers what is left (embeddings, head).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+import zlib
+from typing import Iterable, List, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+
+from hyperacc.config import FSDPConfig
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def block_classes(model: nn.Module, wrap_classes: Optional[Iterable[str]]) -> List[str]:
+    """Names of the module classes that become FSDP units (explicit list, else `_no_split_modules`)."""
+    if wrap_classes:
+        return list(wrap_classes)
+    return sorted(getattr(model, "_no_split_modules", None) or [])
+
+
+def find_blocks(model: nn.Module, class_names: Iterable[str]) -> List[nn.Module]:
+    names = set(class_names)
+    return [m for m in model.modules() if m is not model and type(m).__name__ in names]
+
+
+def enable_recompute(blocks: Iterable[nn.Module]) -> None:
+    """Recompute each block's activations in backward instead of storing them.
+
+    The block's ``forward`` is wrapped in place (non-reentrant checkpoint), which keeps parameter
+    names, and therefore checkpoint keys and HF exports, unchanged.
+    """
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def _policies(config: FSDPConfig, device_type: str) -> dict:
+    kwargs = {"reshard_after_forward": config.reshard_after_forward}
+    if config.mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[config.mixed_precision],
+                                                   reduce_dtype=torch.float32)
+    if config.cpu_offload:
+        if device_type == "cpu":
+            warnings.warn("FSDPConfig.cpu_offload=True is ignored on a CPU-only run: parameters, "
+                          "gradients and optimizer states already live in host memory (FSDP2's "
+                          "offload policy needs an accelerator). Training continues without offload.",
+                          stacklevel=3)
+        else:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+    return kwargs
+
+
+def shard_model(model: nn.Module, fsdp_mesh, config: FSDPConfig, device: torch.device,
+                seed: int) -> nn.Module:
+    """Apply FSDP2 to ``model`` in place and return it, initialised if it was on the meta device."""
+    if isinstance(model, FSDPModule):
+        raise ValueError("This model is already sharded: prepare() was called twice on the same model. "
+                         "Prepare each model once and keep the returned object.")
+    names = block_classes(model, config.wrap_classes)
+    blocks = find_blocks(model, names)
+    if not blocks:
+        warnings.warn(f"No module of class {names or '(none given)'} found in {type(model).__name__}: "
+                      "sharding the whole model as one unit (more memory). Set FSDPConfig.wrap_classes "
+                      "to the transformer block class name.", stacklevel=2)
+    if config.activation_checkpointing:
+        enable_recompute(blocks)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if not on_meta:
+        model.to(device)
+    kwargs = _policies(config, device.type)
+    for block in blocks:
+        fully_shard(block, mesh=fsdp_mesh, **kwargs)
+    fully_shard(model, mesh=fsdp_mesh, **kwargs)
+    if on_meta:
+        materialize(model, torch.device("cpu") if "offload_policy" in kwargs else device, seed)
+    return model
+
+
+def _module_seed(seed: int, name: str) -> int:
+    return zlib.crc32(f"{seed}:{name}".encode()) & 0x7FFFFFFF
+
+
+def _full_size_copy(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` owning fresh, full-size CPU tensors (no children)."""
+    clone = copy.copy(module)
+    clone._modules = {}
+    # A DTensor reports its global shape; None entries (e.g. a Linear without bias) stay None.
+    clone._parameters = {
+        name: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                  requires_grad=p.requires_grad)
+        for name, p in module._parameters.items()}
+    clone._buffers = {name: None if b is None else torch.empty(b.shape, dtype=b.dtype)
+                      for name, b in module._buffers.items()}
+    return clone
+
+
+def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    with torch.no_grad():
+        if isinstance(target, DTensor):
+            local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+            target.to_local().copy_(local.to_local())
+        else:
+            target.copy_(full)
+
+
+def _initialiser(model: nn.Module):
+    init = getattr(model, "_init_weights", None)
+    if init is not None:
+        return init
+
+    def reset(module):
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return reset
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate a meta-device model's shards and initialise them reproducibly.
+
+    Each module is initialised at full size on the host from a generator seeded by (seed, module
+    name), and every rank keeps only its own shard. The weights therefore depend on the seed alone:
+    identical across ranks, across runs, and across world sizes.
+    """
+    model.to_empty(device=device)
+    init = _initialiser(model)
+    for name, module in model.named_modules():
+        own = [t for t in list(module._parameters.values()) + list(module._buffers.values()) if t is not None]
+        if not own:
+            continue
+        full = _full_size_copy(module)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_module_seed(seed, name))
+            init(full)
+        for key, tensor in module._parameters.items():
+            if tensor is not None:
+                _copy_into(tensor, full._parameters[key])
+        for key, tensor in module._buffers.items():
+            if tensor is not None:
+                _copy_into(tensor, full._buffers[key])
+
+
+def fsdp_modules(model: nn.Module) -> List[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
