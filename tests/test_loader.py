@@ -387,3 +387,14 @@ def test_pad_collate():
     for item in loader:
         for mb in item:
             assert mb["input_ids"].shape[0] == 2 and mb["labels"].shape == mb["input_ids"].shape
+
+
+def test_docs_snippet_runs():
+    import pathlib
+    import re
+    doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "loader.md"
+    if not doc.exists():
+        pytest.skip("docs/loader.md merged elsewhere")
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    assert blocks
+    exec(compile(blocks[0], str(doc), "exec"), {"__name__": "loader_doc"})
