@@ -1,0 +1,7 @@
+"""Six-bucket checkpointing on torch.distributed.checkpoint (see docs/checkpoint.md).
+
+policy (when), storage (DCP and files), discovery (LATEST), buckets (what), rng, export (HF).
+"""
+from hyperacc.checkpoint.manager import Checkpointer, TrainState
+
+__all__ = ["Checkpointer", "TrainState"]
