@@ -1,0 +1,148 @@
+"""Step metrics (hyperacc.metrics): JSONL sink, log cadence, resume, and a 2-rank gloo run."""
+import gc
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_torchrun
+from hyperacc.metrics import MetricsLogger, PeriodicCleanup, StepTimer, device_memory_gib
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+REQUIRED = {"step", "epoch", "loss", "grad_norm", "lr", "step_time", "tokens_per_second"}
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def run_steps(logger, steps, tokens=64, step_time=0.5):
+    return [logger.log_step(step=s, epoch=s // 3, loss=torch.tensor(1.0 / s), grad_norm=torch.tensor(2.0),
+                            lr=[1e-4], step_time=step_time, tokens=tokens, samples=2) for s in steps]
+
+
+def test_single_process_jsonl_keys_and_values(tmp_path):
+    path = tmp_path / "sub" / "metrics.jsonl"
+    with MetricsLogger(metrics_file=str(path), progress_bar=False, log_fn=lambda line: None) as logger:
+        returned = run_steps(logger, range(1, 4))
+    lines = read_jsonl(path)
+    assert [rec["step"] for rec in lines] == [1, 2, 3]
+    for rec in lines:
+        assert REQUIRED <= rec.keys()
+    assert lines == returned
+    last = lines[-1]
+    assert last["loss"] == pytest.approx(1 / 3) and last["grad_norm"] == 2.0 and last["lr"] == 1e-4
+    assert last["epoch"] == 1 and last["step_time"] == 0.5 and last["tokens_per_second"] == 128.0
+    assert last["consumed_tokens"] == 192 and last["consumed_samples"] == 6
+    assert "memory_rss_gib" in last  # CPU reports the resident set size
+
+
+def test_resume_appends_and_repairs_partial_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLogger(metrics_file=str(path), progress_bar=False, log_fn=lambda line: None) as logger:
+        run_steps(logger, [1, 2])
+    with open(path, "a") as handle:  # a process killed mid-write
+        handle.write('{"step": 3, "lo')
+    with MetricsLogger(metrics_file=str(path), progress_bar=False, initial_step=2, consumed_tokens=128,
+                       consumed_samples=4, log_fn=lambda line: None) as logger:
+        run_steps(logger, [3, 4])
+    raw = path.read_text().splitlines()
+    assert len(raw) == 5 and raw[2] == '{"step": 3, "lo'
+    good = [json.loads(line) for line in raw if line.endswith("}")]
+    assert [rec["step"] for rec in good] == [1, 2, 3, 4]
+    assert good[-1]["consumed_tokens"] == 256  # continued from the restored count
+    with MetricsLogger(metrics_file=str(path), progress_bar=False, log_fn=lambda line: None) as logger:
+        logger.log_step(step=5, loss=1.0, step_time=1.0, consumed_tokens=1000)
+    assert read_jsonl_last(path)["consumed_tokens"] == 1000
+
+
+def read_jsonl_last(path):
+    return json.loads(Path(path).read_text().splitlines()[-1])
+
+
+def test_log_line_cadence_and_format():
+    lines = []
+    with MetricsLogger(logging_steps=3, max_steps=7, progress_bar=False, log_fn=lines.append) as logger:
+        run_steps(logger, range(1, 8))
+    assert [line.split()[0] for line in lines] == ["step=3", "step=6", "step=7"]  # + the last step
+    assert lines[0].startswith("step=3 loss=0.3333 lr=1.000e-04 grad_norm=2.0000 tokens/s=128.0")
+
+
+def test_progress_bar_and_eval_on_main_process_only(tmp_path):
+    bar, lines = io.StringIO(), []
+    path = tmp_path / "m.jsonl"
+    logger = MetricsLogger(metrics_file=str(path), max_steps=10, initial_step=4, progress_file=bar,
+                           log_fn=lines.append)
+    run_steps(logger, [5, 6])
+    record = logger.log_eval(step=6, loss=math.log(8.0))
+    logger.close()
+    assert record["eval_ppl"] == pytest.approx(8.0)
+    text = bar.getvalue()
+    assert "6/10" in text and "loss=" in text and "tok_s=" in text
+    assert read_jsonl(path)[-1] == {**record}
+    assert lines[-1].startswith("eval step=6 eval_loss=2.0794 eval_ppl=8.0000")
+
+    other_bar, other_lines = io.StringIO(), []
+    other = MetricsLogger(metrics_file=str(tmp_path / "other.jsonl"), is_main_process=False,
+                          progress_file=other_bar, log_fn=other_lines.append, tensorboard_dir=str(tmp_path))
+    rec = other.log_step(step=1, loss=1.0, step_time=1.0, tokens=10)
+    other.log_eval(step=1, loss=1.0)
+    other.close()
+    assert rec["tokens_per_second"] == 10.0  # the record is still computed and returned
+    assert other_bar.getvalue() == "" and other_lines == []
+    assert not (tmp_path / "other.jsonl").exists()
+
+
+def test_tensorboard_missing_warns(tmp_path):
+    try:
+        import tensorboard  # noqa: F401
+        pytest.skip("tensorboard installed")
+    except ImportError:
+        pass
+    import hyperacc.metrics as metrics
+    metrics._TB_WARNED = False
+    with pytest.warns(UserWarning, match="tensorboard is not installed"):
+        MetricsLogger(tensorboard_dir=str(tmp_path / "tb"), progress_bar=False).close()
+
+
+def test_periodic_cleanup_and_timer(monkeypatch):
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(1) or 0)
+    cleanup = PeriodicCleanup(gc_steps=2, empty_cache_steps=3)
+    for step in range(1, 7):
+        cleanup.maybe_run(step)
+    assert cleanup.gc_runs == 3 and len(collected) == 3 and cleanup.cache_runs == 2
+    was_enabled = gc.isenabled()
+    manual = PeriodicCleanup(gc_steps=1, disable_automatic_gc=True)
+    assert not gc.isenabled()
+    manual.close()
+    assert gc.isenabled() == was_enabled
+    with StepTimer() as timer:
+        sum(range(1000))
+    assert timer.elapsed > 0
+    assert device_memory_gib("cpu").keys() <= {"memory_rss_gib"}
+
+
+def test_two_ranks_one_collective_max_step_time_global_tokens(tmp_path):
+    metrics_file = tmp_path / "metrics.jsonl"
+    run_torchrun(SCRIPTS / "metrics_two_ranks.py", 2, args=[tmp_path, metrics_file], timeout=180)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for result in ranks:
+        assert result["calls"] == [["all_gather"]] * 5  # exactly one collective per log_step
+    rec0, rec1 = ranks[0]["records"], ranks[1]["records"]
+    strip = lambda recs: [{k: v for k, v in r.items() if k != "time"} for r in recs]  # noqa: E731
+    assert strip(rec0) == strip(rec1)  # every rank returns the same record
+    for step, rec in enumerate(rec0, start=1):
+        assert rec["step_time"] == pytest.approx(0.2 * step)  # max over ranks (rank 1 is slower)
+        assert rec["tokens"] == 300 and rec["samples"] == 3
+        assert rec["tokens_per_second"] == pytest.approx(300 / (0.2 * step))
+        assert rec["consumed_tokens"] == 300 * step
+    written = read_jsonl(metrics_file)
+    assert [r["step"] for r in written] == [1, 2, 3, 4, 5]  # one writer: rank 0
+    assert strip(written) == strip(rec0)
+    assert [line.split()[0] for line in ranks[0]["lines"]] == ["step=2", "step=4", "step=5"]
+    assert ranks[1]["lines"] == [] and ranks[1]["bar"] == ""
+    assert "5/5" in ranks[0]["bar"]
