@@ -320,6 +320,18 @@ class IndexedDatasetWriter:
         for doc in documents:
             self.add_document(doc)
 
+    def add_documents_flat(self, tokens, lengths) -> None:
+        """Append many one-sequence documents at once: ``tokens`` concatenated, ``lengths`` each."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        arr = self._check(np.asarray(tokens), f"documents {self.num_documents}..{self.num_documents + len(lengths) - 1}")
+        if int(lengths.sum()) != arr.size or (lengths.size and lengths.min() < 0):
+            raise ValueError(f"lengths sum to {int(lengths.sum())} but {arr.size} tokens were given")
+        self._bin.write(arr.tobytes(order="C"))
+        first = len(self._lengths)
+        self._lengths.extend(lengths.tolist())
+        self._docs.extend(range(first + 1, first + 1 + lengths.size))
+        self.num_tokens += arr.size
+
     @property
     def num_documents(self) -> int:
         return len(self._docs) - 1
