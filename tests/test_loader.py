@@ -398,3 +398,27 @@ def test_docs_snippet_runs():
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
     assert blocks
     exec(compile(blocks[0], str(doc), "exec"), {"__name__": "loader_doc"})
+
+
+def test_getitems_and_dataset_fingerprint():
+    class Batched(IndexDataset):
+        fingerprint = "corpus-v1"
+
+        def __init__(self, n):
+            super().__init__(n)
+            self.batched_calls = 0
+
+        def __getitems__(self, ids):
+            self.batched_calls += 1
+            return [super(Batched, self).__getitem__(i) for i in ids]
+
+    ds = Batched(16)
+    loader = MicroBatchDataLoader(ds, global_batch_size=4, micro_batch_size=2)
+    next(iter(loader))
+    assert ds.batched_calls == 2
+    state = loader.state_dict()
+    assert state["dataset_fingerprint"] == {"length": 16, "id": "corpus-v1"}
+    other = Batched(16)
+    other.fingerprint = "corpus-v2"
+    with pytest.raises(ValueError, match="corpus-v1.*corpus-v2"):
+        MicroBatchDataLoader(other, global_batch_size=4, micro_batch_size=2).load_state_dict(state)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from hyperacc.data.collate import check_batch, default_collate
 
@@ -36,6 +37,7 @@ __all__ = ["MicroBatchDataLoader", "STATE_VERSION"]
 STATE_VERSION = 1
 _PREFETCH_DEPTH = 2
 _JOIN_TIMEOUT_S = 2.0
+_PERM_CACHE = 2          # epochs whose permutation is kept (the current one and one looked up)
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -107,8 +109,7 @@ class MicroBatchDataLoader:
         self._step = 0
         self._generation = 0          # bumped whenever the position or the rank changes
         self._perm_lock = threading.Lock()
-        self._perm_key: tuple | None = None
-        self._perm: torch.Tensor | None = None
+        self._perms: dict[tuple, torch.Tensor] = {}    # (seed, epoch, n) -> permutation, oldest first
         self._dp_rank, self._dp_size = 0, 1
         self.bind(0, 1)
 
@@ -196,12 +197,15 @@ class MicroBatchDataLoader:
     def _permutation(self, epoch: int) -> torch.Tensor:
         key = (self._seed, epoch, self._num_samples)
         with self._perm_lock:
-            if self._perm_key != key:
+            perm = self._perms.pop(key, None)
+            if perm is None:
                 gen = torch.Generator()
                 gen.manual_seed(_epoch_seed(self._seed, epoch))
-                self._perm = torch.randperm(self._num_samples, generator=gen)
-                self._perm_key = key
-            return self._perm
+                perm = torch.randperm(self._num_samples, generator=gen)
+                while len(self._perms) >= _PERM_CACHE:
+                    self._perms.pop(next(iter(self._perms)))
+            self._perms[key] = perm                  # most recently used last
+            return perm
 
     def _step_ids(self, epoch: int, step: int) -> torch.Tensor:
         """The global_batch_size dataset indices of (epoch, step), as an int64 tensor."""
@@ -279,8 +283,8 @@ class MicroBatchDataLoader:
         sampler = _MicroBatchSampler(self, epoch, steps, plan, mbps)
         generator = torch.Generator()
         generator.manual_seed(_epoch_seed(self._seed, epoch))   # keeps the global RNG untouched
-        dl = torch.utils.data.DataLoader(self._dataset, batch_sampler=sampler, collate_fn=self._collate,
-                                         num_workers=self.num_workers, generator=generator)
+        dl = DataLoader(self._dataset, batch_sampler=sampler, collate_fn=self._collate,
+                        num_workers=self.num_workers, generator=generator)
         it = iter(dl)
         try:
             for _ in steps:
