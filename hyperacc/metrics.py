@@ -251,7 +251,9 @@ class MetricsLogger:
         ``loss``: the step's loss, already the global token mean (not reduced here).
         ``step_time``: this rank's seconds for the step (the max over ranks is recorded).
         ``tokens``/``samples``: processed by this rank in the step (summed over ranks).
-        ``grad_norm``/``lr``: floats or tensors (a list of lrs: the first is used).
+        ``grad_norm``/``lr``: floats or tensors (a list of lrs: the first is used). A DTensor is
+        turned into a full tensor (a collective of its own unless it is replicated): pass a plain
+        tensor or float to keep one collective per step.
         Returns the record (identical on every rank); rank 0 also writes it to the sinks.
         """
         memory = device_memory_gib(self.device_type)
@@ -361,10 +363,12 @@ class MetricsLogger:
                 if record.get(key) is not None:
                     self._writer.add_scalar(f"train/{key}", record[key], step)
         if self._bar is not None:
-            if step > self._bar.n:
-                self._bar.update(step - self._bar.n)
             self._bar.set_postfix(loss=_format_number(record["loss"]), lr=_format_number(record["lr"]),
                                   tok_s=f"{record['tokens_per_second']:.0f}", refresh=False)
+            if step > self._bar.n:
+                self._bar.update(step - self._bar.n)
+            else:
+                self._bar.refresh()
         if step % self.logging_steps == 0 or (self.max_steps is not None and step == self.max_steps):
             self._print(f"step={step} loss={_format_number(record['loss'])} "
                         f"lr={_format_number(record['lr'])} "
