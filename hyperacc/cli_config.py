@@ -323,9 +323,25 @@ def _did_you_mean(name: str, choices) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
+def _first_flag(value) -> Optional[str]:
+    if isinstance(value, _CliValue):
+        return value.flag
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        for item in value:
+            flag = _first_flag(item)
+            if flag is not None:
+                return flag
+    return None
+
+
 def _describe_source(value, key: str, source: str) -> str:
     if isinstance(value, _CliValue):
         return f"--{key}={value.text}"
+    flag = _first_flag(value)
+    if flag is not None:
+        return flag
     return f"{key}={value!r} (from {source})"
 
 
@@ -434,7 +450,12 @@ def _build_component(data, default, key: str, source: str) -> Component:
             value = _check_value(value, expected, f"{key}.{name}", source)
         else:
             value = _resolve_cli(value)
-        if param is not None and isinstance(param.default, tuple) and isinstance(value, list):
+        if param is not None and isinstance(param.default, tuple):
+            if not isinstance(value, (list, tuple)) or len(value) != len(param.default):
+                raise ConfigError(
+                    f"{_describe_source(data[name], f'{key}.{name}', source)}: {key}.{name} must be a "
+                    f"list of {len(param.default)} values like {list(param.default)}, got {value!r}. "
+                    f"Fix: e.g. --{key}.{name}=[{','.join(map(str, param.default))}]")
             value = tuple(value)
         kwargs[name] = value
     return Component(target, kwargs)
@@ -527,7 +548,15 @@ def build_config(schema_cls, data: Optional[dict] = None, *, source: str = "dict
 def _type_at(schema_cls, path: List[str]):
     """The declared type at a dotted path, or None when unknown (dict keys, component kwargs)."""
     tp: Any = schema_cls
-    for part in path:
+    default: Any = None
+    for depth, part in enumerate(path):
+        if _is_component_type(tp) and isinstance(default, Component) and depth == len(path) - 1:
+            # A keyword of the default target: its default value tells the type (best effort).
+            try:
+                param = inspect.signature(default.resolve()).parameters.get(part)
+            except Exception:  # noqa: BLE001
+                return None
+            return type(param.default) if param is not None and isinstance(param.default, bool) else None
         dc = _dataclass_type(tp)
         if dc is None:
             return None
@@ -535,6 +564,7 @@ def _type_at(schema_cls, path: List[str]):
         if part not in fields:
             return None
         tp = _hints(dc).get(part, fields[part].type)
+        default = _field_default(fields[part])
     return tp
 
 

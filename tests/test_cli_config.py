@@ -72,6 +72,13 @@ def test_bool_flag_forms():
     assert cfg.knobs.flag is True and cfg.knobs.count == 2
 
 
+def test_component_bool_flag_and_negative_value():
+    cfg = parse_config(TrainConfig, argv=["--optimizer.amsgrad", "--parallel.dp_shard_size", "-1",
+                                          "--optimizer.betas=[0.8,0.9]"])
+    assert cfg.optimizer.amsgrad is True and cfg.optimizer.betas == (0.8, 0.9)
+    assert cfg.parallel.dp_shard_size == -1 and explicit_fields(cfg.parallel) == {"dp_shard_size"}
+
+
 def test_fixed_train_flags():
     cfg = parse_config(TrainConfig, argv=[
         "--training.max_steps=3", "--training.global_batch_size=16", "--training.micro_batch_size=4",
@@ -102,6 +109,8 @@ def test_fixed_train_flags():
     (["--optimizer._target_=torch.optim.SGD"], ["_target_", "cannot be overridden", "YAML"]),
     (["--optimizer.lrr=0.1"], ["lrr", "Did you mean 'lr'"]),
     (["--optimizer.lr=fast"], ["--optimizer.lr=fast", "must be float"]),
+    (["--optimizer.betas=0.9"], ["--optimizer.betas=0.9", "list of 2 values", "Fix"]),
+    (["--training.max_steps.x=1"], ["--training.max_steps.x=1", "must be int"]),
     (["--training"], ["--training.<field>"]),
     (["--training.max_steps"], ["has no value"]),
     (["a.yaml", "b.yaml"], ["b.yaml"]),
