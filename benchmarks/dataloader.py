@@ -6,8 +6,9 @@ Throughput: the same in-memory token dataset and the same collate function, one 
 number of samples (global_batch_size) for both loaders: torch's DataLoader with
 batch_size=global_batch_size, ours with micro_batch_size=global_batch_size // 4 (4 micro-batches
 per item), both shuffling, num_workers=0; also torch's DataLoader with
-batch_size=micro_batch_size, grouped 4 per item (the same collate calls as ours). Resume: load_state_dict + the first item of a fresh
-loader, at step 1 and at step 10**6, for an index-only dataset (shuffle=False, 10**9 samples) and
+batch_size=micro_batch_size, grouped 4 per item (the same collate calls as ours). Prefetch is
+also timed with a simulated GIL-free training step after each item. Resume: load_state_dict + the
+first item of a fresh loader, at step 1 and at step 10**6, for an index-only dataset (shuffle=False, 10**9 samples) and
 for a shuffled one (the epoch's permutation is drawn once, at either step). The ratios come last.
 """
 from __future__ import annotations

@@ -5,7 +5,6 @@ import io
 import random
 import threading
 import time
-import warnings
 
 import numpy as np
 import pytest
@@ -104,7 +103,7 @@ def test_global_rng_untouched():
     random.seed(123)
     np.random.seed(123)
     before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
-    for kw in ({}, {"prefetch": True}):
+    for kw in ({}, {"prefetch": True}, {"num_workers": 1}):
         loader = make(n=40, gbs=8, mbs=2, **kw)
         for _ in range(2):
             for _item in loader:
