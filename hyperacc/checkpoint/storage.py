@@ -10,6 +10,8 @@ import io
 import json
 import os
 import pickle
+import warnings
+from contextlib import contextmanager
 from concurrent.futures import Future
 from typing import Iterable, Optional
 
@@ -18,6 +20,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
+
+from hyperacc.checkpoint import _comm
 
 SENTINEL_FILE = "hyperacc_checkpoint.json"
 EXTRA_STATE_DIR = "extra_state"
@@ -80,7 +84,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch.distributed.tensor._dtensor_spec" or module.startswith("torch.distributed.tensor.placement"):
             return super().find_class(module, name)
         if (module, name) in (("collections", "OrderedDict"), ("copyreg", "__newobj__"),
-                              ("copyreg", "_reconstructor"), ("enum", "Enum")):
+                              ("copyreg", "_reconstructor"), ("torch.serialization", "_get_layout"),
+                              ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+                              ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")):
             return super().find_class(module, name)
         if module == "builtins" and name in _ALLOWED_BUILTINS - {"getattr"}:
             return super().find_class(module, name)
@@ -136,20 +142,36 @@ class CheckpointLoadPlanner(DefaultLoadPlanner):
 
 
 # --------------------------------------------------------------------------- DCP save / load
+@contextmanager
+def _single_process_quiet():
+    """DCP warns on every single-process call; one process without a process group is supported."""
+    if _comm.distributed():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def dcp_save(state_dict: dict, path: str, *, process_group=None) -> None:
-    dcp.save(state_dict, checkpoint_id=path, process_group=process_group)
+    with _single_process_quiet():
+        dcp.save(state_dict, checkpoint_id=path, process_group=process_group, no_dist=not _comm.distributed())
 
 
 def dcp_async_save(state_dict: dict, path: str, *, process_group=None) -> Future:
     """Stage ``state_dict`` to CPU memory (a copy: the caller may mutate its tensors as soon as this
     returns) and write it in a background thread. Returns the upload future."""
-    result = dcp.async_save(state_dict, checkpoint_id=path, process_group=process_group)
+    with _single_process_quiet():
+        result = dcp.async_save(state_dict, checkpoint_id=path, process_group=process_group,
+                                no_dist=not _comm.distributed())
     return getattr(result, "upload_completion", result)
 
 
 def dcp_load(state_dict: dict, path: str, *, strict_prefixes=(), process_group=None) -> None:
-    dcp.load(state_dict, storage_reader=SafeFileSystemReader(path),
-             planner=CheckpointLoadPlanner(strict_prefixes), process_group=process_group)
+    with _single_process_quiet():
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path),
+                 planner=CheckpointLoadPlanner(strict_prefixes), process_group=process_group,
+                 no_dist=not _comm.distributed())
 
 
 # --------------------------------------------------------------------------- sentinel
