@@ -75,6 +75,9 @@ def shard_model(model: nn.Module, fsdp_mesh, config: FSDPConfig, device: torch.d
                       "to the transformer block class name.", stacklevel=2)
     if config.activation_checkpointing:
         enable_recompute(blocks)
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            # A KV cache filled during forward would be filled again by the recomputation.
+            model.config.use_cache = False
     on_meta = any(p.is_meta for p in model.parameters())
     if not on_meta:
         model.to(device)
