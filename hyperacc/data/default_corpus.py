@@ -23,13 +23,14 @@ into place, so concurrent ranks never see a half-written cache.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import os
 import shutil
 import sysconfig
 import tempfile
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 __all__ = [
     "DEFAULT_MODULES",
@@ -101,7 +102,14 @@ def _docstrings(source: str) -> List[str]:
 
 
 def collect_documents(modules: Sequence[str] = DEFAULT_MODULES, *, min_chars: int = MIN_DOC_CHARS) -> List[str]:
-    """The corpus: one document per docstring of at least ``min_chars`` characters."""
+    """The corpus: one document per docstring of at least ``min_chars`` characters.
+
+    Memoised per process (the stdlib does not change while it runs)."""
+    return list(_collect(tuple(modules), min_chars))
+
+
+@functools.lru_cache(maxsize=4)
+def _collect(modules: Tuple[str, ...], min_chars: int) -> Tuple[str, ...]:
     stdlib = sysconfig.get_paths()["stdlib"]
     docs: List[str] = []
     seen = set()
@@ -119,7 +127,7 @@ def collect_documents(modules: Sequence[str] = DEFAULT_MODULES, *, min_chars: in
     if not docs:
         raise RuntimeError(f"no documentation strings found under {stdlib}: this Python install has no "
                            f"stdlib sources; pass a dataset and tokenizer explicitly")
-    return docs
+    return tuple(docs)
 
 
 def corpus_fingerprint(documents: Sequence[str], **settings) -> str:
