@@ -1,0 +1,131 @@
+"""Checkpointing on 2 real processes (FSDP2 over gloo) through the Accelerator, end to end.
+
+One module-scoped set of launches (tests/scripts/ckpt_train.py, 8 steps, 6 steps per epoch):
+  A  2 procs, uninterrupted, async saves every 2 steps + epoch end, HF export at the end
+  B  2 procs, sync saves every 2 steps, SIGKILLed while finishing the save of step 6
+  C  2 procs, relaunched on B with restore_from="LATEST" (-> step 4), trains steps 5..8
+  D  1 proc  resumes B's step 4 (2 -> 1), restore only
+  E  4 procs resumes B's step 4 (2 -> 4), restore only
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from dist_utils import REPO, run_torchrun
+
+SCRIPT = REPO / "tests" / "scripts" / "ckpt_train.py"
+
+
+def _launch(nproc, out, *args, check=True):
+    proc = run_torchrun(SCRIPT, nproc, [out, *args], timeout=300, check=check)
+    return proc
+
+
+def _records(out, nproc):
+    return [json.load(open(f"{out}.rank{r}.json")) for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ckpt_dist")
+    A, B = str(tmp / "A"), str(tmp / "B")
+    res = {"tmp": tmp, "A": A, "B": B}
+    _launch(2, tmp / "a", "--ckpt", A, "--steps", 8, "--save-steps", 2, "--save-epochs", 1,
+            "--async-save", "--export", "final", "--dump-params", tmp / "a.pt")
+    killed = _launch(2, tmp / "b", "--ckpt", B, "--steps", 8, "--save-steps", 2, "--kill-during-save", 6,
+                     check=False)
+    res["killed_rc"] = killed.returncode
+    res["after_kill"] = {
+        "pointer": open(os.path.join(B, "latest_checkpoint_iteration.txt")).read().strip(),
+        "step6_files": sorted(os.listdir(os.path.join(B, "global_step_6"))),
+    }
+    res["c_proc"] = _launch(2, tmp / "c", "--ckpt", B, "--steps", 8, "--save-steps", 2, "--restore", "LATEST",
+                            "--dump-params", tmp / "c.pt")
+    step4 = os.path.join(B, "global_step_4")
+    res["d_proc"] = _launch(1, tmp / "d", "--ckpt", B, "--steps", 8, "--no-save", "--restore", step4)
+    res["e_proc"] = _launch(4, tmp / "e", "--ckpt", B, "--steps", 8, "--no-save", "--restore", step4)
+    res["a"], res["c"] = _records(tmp / "a", 2), _records(tmp / "c", 2)
+    res["d"], res["e"] = _records(tmp / "d", 1), _records(tmp / "e", 4)
+    return res
+
+
+def test_cadence_on_two_processes(runs):
+    assert runs["a"][0]["saves"] == [2, 4, 6, 8]            # step 6: save_steps and epoch end, once
+    assert open(os.path.join(runs["A"], "latest_checkpoint_iteration.txt")).read().strip() == "8"
+    assert runs["c"][0]["saves"] == [6, 8]                  # final save at 8 not duplicated
+
+
+def test_sigkill_resume_is_bitwise_exact(runs):
+    assert runs["killed_rc"] != 0
+    assert runs["after_kill"]["pointer"] == "4"
+    assert ".metadata" not in runs["after_kill"]["step6_files"] and runs["after_kill"]["step6_files"]
+    assert "incomplete checkpoint" in runs["c_proc"].stderr  # the partial dir is then written over
+    for a, c in zip(runs["a"], runs["c"]):
+        assert c["restored"].endswith("global_step_4") and c["start_step"] == 4
+        assert sorted(c["steps"]) == ["5", "6", "7", "8"]
+        for step, rec in c["steps"].items():
+            assert rec == a["steps"][step], step            # loss, lr, epoch and RNG draws, bitwise
+        assert c["progress"] == a["progress"]
+    pa, pc = torch.load(runs["tmp"] / "a.pt"), torch.load(runs["tmp"] / "c.pt")
+    assert pa.keys() == pc.keys() and all(torch.equal(pa[k], pc[k]) for k in pa)
+
+
+@pytest.mark.parametrize("name,nproc", [("d", 1), ("e", 4)])
+def test_resume_at_other_dp_size(runs, name, nproc):
+    recs = runs[name]
+    assert recs[0]["world"] == nproc and recs[0]["start_step"] == 4
+    assert "topology changed" in runs[f"{name}_proc"].stderr
+    ref = runs["a"][0]["steps"]
+    for step, rec in recs[0]["steps"].items():
+        assert rec["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), step
+        assert rec["lr"] == ref[step]["lr"] and rec["epoch"] == ref[step]["epoch"]
+    assert recs[0]["progress"] == runs["a"][0]["progress"]
+
+
+def _read_dcp(path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    state = {}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
+             no_dist=True)
+    return state
+
+
+def _assert_same(x, y, where):
+    if isinstance(x, torch.Tensor):
+        assert torch.equal(x, y), where
+    elif isinstance(x, dict):
+        assert x.keys() == y.keys(), where
+        for k in x:
+            _assert_same(x[k], y[k], f"{where}.{k}")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), where
+        for i, (u, v) in enumerate(zip(x, y)):
+            _assert_same(u, v, f"{where}[{i}]")
+    else:
+        assert x == y, where
+
+
+@pytest.mark.parametrize("step", [2, 4])
+def test_async_save_equals_sync_save(runs, step):
+    a = os.path.join(runs["A"], f"global_step_{step}")      # async, training continued meanwhile
+    b = os.path.join(runs["B"], f"global_step_{step}")      # sync
+    _assert_same(_read_dcp(a), _read_dcp(b), "dcp")
+    for rank in (0, 1):
+        rel = os.path.join("extra_state", f"extra_state_rank_{rank}.pt")
+        _assert_same(torch.load(os.path.join(a, rel), weights_only=True),
+                     torch.load(os.path.join(b, rel), weights_only=True), rel)
+
+
+def test_hf_export_loads_with_from_pretrained(runs):
+    from transformers import AutoModelForCausalLM
+    hf = os.path.join(runs["A"], "global_step_8", "hf")
+    assert sorted(os.listdir(hf)) >= ["config.json", "model.safetensors"]
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    expected = torch.load(runs["tmp"] / "a.pt")
+    got = dict(model.named_parameters())
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name].detach(), tensor), name
