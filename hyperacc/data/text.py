@@ -103,10 +103,20 @@ def _load_all_splits(path: str, name: Optional[str], data_files=None):
         builder = path
         return datasets.load_dataset(builder, name, data_files=data_files)
     if _is_saved_dataset(path):
+        state = os.path.join(path, "state.json")
+        if os.path.isfile(state):
+            import json
+
+            with open(state) as f:
+                if not json.load(f).get("_data_files"):
+                    raise ValueError(f"dataset {path!r} is empty: the save_to_disk directory holds no rows")
         obj = datasets.load_from_disk(path)
         return obj if isinstance(obj, datasets.DatasetDict) else datasets.DatasetDict({"train": obj})
     files = sorted(glob.glob(path)) if any(c in path for c in "*?[") else ([path] if os.path.isfile(path) else [])
     if files:
+        if all(os.path.getsize(f) == 0 for f in files):
+            raise ValueError(f"dataset {path!r} is empty: {'the file is' if len(files) == 1 else 'all files are'} "
+                             f"0 bytes")
         exts = {os.path.splitext(f[:-3] if f.endswith(".gz") else f)[1].lower() for f in files}
         builders = {_FILE_BUILDERS.get(e) for e in exts}
         if len(builders) != 1 or None in builders:
@@ -155,18 +165,18 @@ def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = No
     except FileNotFoundError as e:
         raise ValueError(f"dataset {path!r} not found ({e}). Pass a path to json/jsonl/text/parquet/csv files, "
                          f"a save_to_disk directory, or a hub name.") from e
+    except (StopIteration, IndexError) as e:  # what datasets raises on some empty inputs
+        raise ValueError(f"dataset {path!r} is empty or unreadable ({type(e).__name__}: {e})") from e
     except ConnectionError as e:
         raise ValueError(f"dataset {path!r} is not cached and cannot be downloaded ({e}); download it on a "
                          f"machine with network access, or convert it offline") from e
     if splits is not None:
         available = list(splits.keys())
-        if split in available:
+        if (split in ("train", "validation") and "train" in available and "validation" not in available
+                and holdout_fraction > 0):
+            ds = _carve(splits["train"], split, holdout_fraction, path)
+        elif split in available:
             ds = splits[split]
-        elif split in ("train", "validation") and "train" in available and holdout_fraction > 0:
-            if "validation" in available:  # asked for train / validation: both exist
-                ds = splits[split]
-            else:
-                ds = _carve(splits["train"], split, holdout_fraction, path)
         else:
             raise ValueError(f"unknown split {split!r} for dataset {path!r}; available splits: "
                              f"{', '.join(available)}" + (" (or 'validation' = the last holdout_fraction of "
