@@ -1,0 +1,222 @@
+"""Pre-train Qwen3-MoE with hyperacc: from a tiny model on 2 CPU processes to Qwen3-30B-A3B on 8 NPUs.
+
+    accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml examples/train_qwen.py
+    accelerate launch --config_file accelerate_configs/fsdp2_8npu.yaml examples/train_qwen.py \
+        examples/configs/qwen3_30b_a3b.yaml
+    python examples/train_qwen.py examples/configs/qwen3_30b_a3b.yaml --training.dry_run=true
+
+Usage: train_qwen.py [CONFIG.yaml] [--section.field=value ...]   (--help lists every field)
+Without a YAML it trains the embedded default: a tiny Qwen3-MoE on the offline corpus/tokenizer.
+The library does the hard parts (sharding, exact accumulation, checkpoints, metrics); the loop
+below is all there is to the training itself.
+"""
+import os
+import sys
+
+# Make `import hyperacc` work from a source checkout without installing it.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hyperacc.cli_config import ConfigError, TrainConfig, format_config, parse_config, save_config  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3_moe_tiny.yaml")
+TEST_STOP_ENV = "HYPERACC_TEST_STOP_AT_STEP"   # TEST HOOK: leave the loop after this step (a preemption)
+
+
+def load_config(argv):
+    """Parse and check the config; every problem is one ConfigError, before anything heavy.
+
+    Without a YAML argument the embedded default (configs/qwen3_moe_tiny.yaml) is used.
+    """
+    has_yaml = any(not a.startswith("-") and a.endswith((".yaml", ".yml")) for a in argv)
+    cfg = parse_config(TrainConfig, None if has_yaml else DEFAULT_CONFIG, argv=argv)
+    t, p = cfg.training, cfg.parallel
+    world = t.dry_run_world_size if t.dry_run else None
+    world = world or int(os.environ.get("WORLD_SIZE", "0")) or (8 if t.dry_run else 1)
+    dp = world // (max(1, p.tp_size) * max(1, p.cp_size))
+    unit = t.micro_batch_size * dp
+    if t.global_batch_size % unit:
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} is not divisible by training.micro_batch_size="
+            f"{t.micro_batch_size} x {dp} data-parallel ranks (= {unit}). Fix: e.g. "
+            f"--training.global_batch_size={max(1, t.global_batch_size // unit) * unit}")
+    return cfg, world
+
+
+def model_config(cfg, vocab_size=None):
+    """The transformers config: the preset (or the pretrained config) + overrides, no KV cache."""
+    from hyperacc.models import qwen3_moe_config
+
+    overrides = dict(cfg.model.overrides)
+    if vocab_size is not None and "vocab_size" not in overrides:
+        overrides["vocab_size"] = vocab_size
+    if cfg.model.name_or_path:
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(cfg.model.name_or_path)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+    elif cfg.model.preset == "tiny":
+        config = qwen3_moe_config(**overrides)
+    else:
+        raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown. Fix: --model.preset=tiny "
+                          "(with model.overrides) or set model.name_or_path.")
+    config.use_cache = False
+    return config
+
+
+def build_model(cfg, vocab_size=None):
+    """On the meta device (random init after sharding), or the pretrained weights when present."""
+    import torch
+    from hyperacc.models import build_causal_lm, has_pretrained_weights, load_pretrained
+
+    path = cfg.model.name_or_path
+    if path and has_pretrained_weights(path):
+        model = load_pretrained(path, dtype=getattr(torch, cfg.model.dtype))
+        model.config.use_cache = False
+        return model
+    config = model_config(cfg, vocab_size)
+    if cfg.model.attn_implementation in (None, "eager"):
+        return build_causal_lm(config, meta_device=True)
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=cfg.model.attn_implementation)
+
+
+def dry_run(cfg, world_size):
+    """Plan the sharding for `world_size` ranks and estimate memory per rank; no process group."""
+    from hyperacc.dry_run import format_plan, plan_sharding
+
+    vocab = None if "vocab_size" in cfg.model.overrides else _tokenizer(cfg)
+    model = build_model(cfg, vocab_size=vocab)
+    fsdp = cfg.fsdp
+    plan = plan_sharding(
+        model, world_size=world_size, dp_replicate=cfg.parallel.dp_replicate_size, tp=cfg.parallel.tp_size,
+        cp=cfg.parallel.cp_size, wrap_classes=fsdp.wrap_classes, mixed_precision=fsdp.mixed_precision,
+        cpu_offload=fsdp.cpu_offload, activation_checkpointing=fsdp.activation_checkpointing,
+        micro_batch_size=cfg.training.micro_batch_size, seq_len=cfg.data.seq_len)
+    print(format_config(cfg))
+    print(format_plan(plan))
+
+
+def _tokenizer(cfg):
+    from hyperacc.data.text import load_tokenizer
+    return len(load_tokenizer(cfg.data.tokenizer or cfg.model.name_or_path))
+
+
+def build_data(cfg, acc):
+    """(train dataset, held-out dataset or None, tokenizer) via hyperacc.data.text."""
+    from hyperacc.data.text import build_train_dataset
+
+    d = cfg.data
+    tokenizer_id = d.tokenizer or cfg.model.name_or_path
+    common = dict(seq_len=d.seq_len, name=d.name, text_column=d.text_column, num_proc=d.num_proc)
+    with acc.main_process_first():           # rank 0 tokenizes and caches, the others read the cache
+        train_ds, tokenizer = build_train_dataset(d.dataset, tokenizer_id, split=d.split, **common)
+        eval_ds = None
+        if cfg.eval.eval_steps:
+            eval_ds, _ = build_train_dataset(d.dataset, tokenizer, split=d.eval_split or "validation", **common)
+    return train_ds, eval_ds, tokenizer
+
+
+def train(cfg):
+    import torch
+
+    import hyperacc
+    from hyperacc.metrics import MetricsLogger, PeriodicCleanup, StepTimer
+    from hyperacc.training import StepChecks, evaluate, lr_lambda_scheduler, param_groups, test_hook_nan
+
+    t = cfg.training
+    validate = t.mode == "validate"
+    if validate:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+    acc = hyperacc.Accelerator(parallel=cfg.parallel, fsdp=cfg.fsdp, checkpoint=cfg.checkpoint, seed=t.seed)
+    acc.print(format_config(cfg))
+    if acc.is_main_process and acc.checkpoint_config.save_ckpt:
+        os.makedirs(acc.checkpoint_config.checkpoint_dir, exist_ok=True)
+        save_config(cfg, os.path.join(acc.checkpoint_config.checkpoint_dir, "config.yaml"))
+
+    # Data, model, optimizer, schedule.
+    train_ds, eval_ds, tokenizer = build_data(cfg, acc)
+    model = build_model(cfg, vocab_size=len(tokenizer))
+    if model.config.vocab_size < len(tokenizer):
+        raise ConfigError(f"model vocab_size={model.config.vocab_size} < tokenizer size {len(tokenizer)}.")
+    optimizer = cfg.optimizer.build(param_groups(model, cfg.optimizer.get("weight_decay", 0.0)))
+    scheduler = lr_lambda_scheduler(optimizer, cfg.lr_scheduler, t.max_steps)
+    loader = hyperacc.MicroBatchDataLoader(train_ds, global_batch_size=t.global_batch_size,
+                                           micro_batch_size=t.micro_batch_size, shuffle=cfg.data.shuffle,
+                                           seed=t.seed)
+    model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
+    model.train()
+    if acc.load_state() is not None:          # checkpoint.restore_from: a path or LATEST
+        acc.print(f"resumed at step {acc.progress.global_step} (epoch {acc.progress.epoch})")
+
+    # Metrics, housekeeping, checks.
+    log = cfg.logging
+    metrics = MetricsLogger(metrics_file=log.metrics_file, logging_steps=log.logging_steps,
+                            tensorboard_dir=log.tensorboard_dir, progress_bar=log.progress_bar,
+                            max_steps=t.max_steps, initial_step=acc.progress.global_step,
+                            group=acc.runtime.cpu_group, device_type=acc.runtime.device_type,
+                            consumed_tokens=acc.progress.consumed_tokens,
+                            consumed_samples=acc.progress.consumed_samples)
+    cleanup = PeriodicCleanup(t.gc_steps, t.empty_cache_steps, acc.runtime.device_type)
+    timer = StepTimer(acc.runtime.device_type)
+    checks = StepChecks(acc, enabled=validate)
+    max_norm = t.gradient_clipping or float("inf")
+    eval_bs = cfg.eval.eval_batch_size or t.micro_batch_size
+    stop_at = int(os.environ.get(TEST_STOP_ENV, 0)) or t.max_steps
+
+    def run_eval(step):
+        result = evaluate(acc, model, eval_ds, batches=cfg.eval.eval_batches, batch_size=eval_bs)
+        metrics.log_eval(step=step, loss=result["loss"])
+
+    # The loop: one loader item = the micro-batches of one optimizer step.
+    step = acc.progress.global_step
+    while step < stop_at and loader.epoch < t.epochs:
+        epoch = loader.epoch
+        for batch in loader:
+            timer.start()
+            with acc.accumulate(model, batch) as micro_batches:
+                for i, mb in enumerate(micro_batches):
+                    loss = model(**mb).loss
+                    loss = test_hook_nan(loss, step + 1, acc.process_index, i)   # no-op unless testing
+                    checks.watch_loss(loss, i)
+                    acc.backward(loss)
+            grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
+            checks.check(step + 1, acc.step_loss, grad_norm)      # validate mode only
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            step = acc.progress.global_step
+            metrics.log_step(step=step, epoch=epoch, loss=acc.step_loss, grad_norm=grad_norm, lr=lr,
+                             step_time=timer.stop(), tokens=sum(mb["input_ids"].numel() for mb in batch),
+                             samples=sum(len(mb["input_ids"]) for mb in batch),
+                             consumed_tokens=acc.progress.consumed_tokens,
+                             consumed_samples=acc.progress.consumed_samples)
+            cleanup.maybe_run(step)
+            if eval_ds is not None and step % cfg.eval.eval_steps == 0:
+                run_eval(step)
+            acc.step_end()                     # saves per checkpoint.save_steps / save_epochs
+            if step >= stop_at:
+                break
+
+    if eval_ds is not None and step % cfg.eval.eval_steps != 0 and step == t.max_steps:
+        run_eval(step)                         # the final evaluation
+    metrics.close()
+    cleanup.close()
+    acc.end_training()                         # final save per the policy, process group down
+
+
+def main(argv=None):
+    try:
+        cfg, world = load_config(sys.argv[1:] if argv is None else argv)
+        if cfg.training.dry_run:
+            return dry_run(cfg, world)
+        return train(cfg)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
