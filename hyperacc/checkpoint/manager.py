@@ -51,8 +51,9 @@ class Checkpointer:
         self._pending_path: Optional[str] = None
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._async_group = None
+        self._stager = None
         self._last_saved_path: Optional[str] = None
-        self.last_save_blocking_s: float = 0.0
+        self.last_save_timings: dict = {}   # seconds the caller was blocked, by phase
 
     # ------------------------------------------------------------------ public API
     def on_step_end(self, state: TrainState) -> Optional[str]:
@@ -87,6 +88,9 @@ class Checkpointer:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
 
     def wait(self) -> None:
         """Block until the in-flight async save (if any) completed; re-raise its error."""
@@ -114,6 +118,7 @@ class Checkpointer:
             self.policy.note_saved(step)
             return None
 
+        timings = {"prepare_dir": time.perf_counter() - start}
         models = buckets.as_list(state.models)
         optimizers = buckets.as_list(state.optimizers) if cfg.save_optimizer else []
         payload = {}
@@ -123,6 +128,7 @@ class Checkpointer:
             owner = buckets.optimizer_owner(models, i, len(optimizers))
             payload[buckets.optimizer_key(i)] = buckets.optimizer_state(owner, optimizer)
 
+        timings["state_dicts"] = time.perf_counter() - start - sum(timings.values())
         layout = "none"
         if cfg.save_train_state:
             shared = buckets.shared_extra_state(state)
@@ -144,8 +150,12 @@ class Checkpointer:
                 "world_size": _comm.world_size(), "dp_size": int(state.dp_size), "peft": bool(cfg.is_peft),
                 "seed": int(state.seed)})
 
+        timings["extra_state"] = time.perf_counter() - start - sum(timings.values())
         if cfg.is_async and not final:
-            upload = storage.dcp_async_save(payload, path, process_group=self._async_process_group())
+            if self._stager is None:
+                self._stager = storage.ReusableCpuStager()
+            upload = storage.dcp_async_save(payload, path, process_group=self._async_process_group(),
+                                            stager=self._stager)
             del payload  # staged: the training step may now change parameters and optimizer state
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hyperacc-ckpt")
@@ -159,11 +169,13 @@ class Checkpointer:
                 self._after_complete(path, step)
             _comm.barrier(self.cpu_group)
 
+        timings["dcp"] = time.perf_counter() - start - sum(timings.values())
         if cfg.save_consolidated == "every":
             export_hf(models[0], os.path.join(path, "hf"), group=self.cpu_group)
         self.policy.note_saved(step)
         self._last_saved_path = path
-        self.last_save_blocking_s = time.perf_counter() - start
+        timings["total"] = time.perf_counter() - start
+        self.last_save_timings = timings
         return path
 
     def load(self, state: TrainState, source: Optional[str] = None) -> Optional[str]:

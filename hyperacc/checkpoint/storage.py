@@ -6,6 +6,7 @@ read with ``torch.load(weights_only=True)``, and the sentinel is JSON.
 """
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -20,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from hyperacc.checkpoint import _comm
 
@@ -158,12 +160,78 @@ def dcp_save(state_dict: dict, path: str, *, process_group=None) -> None:
         dcp.save(state_dict, checkpoint_id=path, process_group=process_group, no_dist=not _comm.distributed())
 
 
-def dcp_async_save(state_dict: dict, path: str, *, process_group=None) -> Future:
+class ReusableCpuStager(AsyncStager):
+    """Stages a state dict into CPU buffers that are kept and reused by the next save.
+
+    The first save deep-copies (DCP's own staging); later saves with the same structure copy into
+    the same buffers, which avoids allocating (and page-faulting) the whole payload every time.
+    Reuse is safe because a new save starts only after the previous one was written.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self):
+        self._cache = None
+
+    def stage(self, state_dict, **kwargs):
+        if self._cache is not None:
+            try:
+                return _copy_into(state_dict, self._cache)
+            except _StructureChanged:
+                self._cache = None
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+        self._cache = StateDictStager(pin_memory=False, share_memory=False).stage(state_dict)
+        return self._cache
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._cache = None
+
+
+class _StructureChanged(Exception):
+    pass
+
+
+_IMMUTABLE = (int, float, str, bytes, bool, type(None), torch.dtype, torch.device)
+
+
+@torch.no_grad()
+def _copy_into(src, dst):
+    """A state dict shaped like ``src`` whose tensors are ``dst``'s buffers holding ``src``'s values."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(src, DTensor):
+        if not isinstance(dst, DTensor) or dst.shape != src.shape or dst.placements != src.placements:
+            raise _StructureChanged
+        local, target = src.to_local(), dst.to_local()
+        if local.shape != target.shape or local.dtype != target.dtype:
+            raise _StructureChanged
+        target.copy_(local)
+        return dst
+    if isinstance(src, torch.Tensor):
+        if type(dst) is not torch.Tensor or dst.shape != src.shape or dst.dtype != src.dtype:
+            raise _StructureChanged
+        dst.copy_(src)
+        return dst
+    if isinstance(src, dict):
+        if not isinstance(dst, dict) or dst.keys() != src.keys():
+            raise _StructureChanged
+        return {key: _copy_into(value, dst[key]) for key, value in src.items()}
+    if isinstance(src, (list, tuple)):
+        if not isinstance(dst, (list, tuple)) or len(dst) != len(src):
+            raise _StructureChanged
+        return type(src)(_copy_into(a, b) for a, b in zip(src, dst))
+    return src if isinstance(src, _IMMUTABLE) else copy.deepcopy(src)
+
+
+def dcp_async_save(state_dict: dict, path: str, *, process_group=None, stager=None) -> Future:
     """Stage ``state_dict`` to CPU memory (a copy: the caller may mutate its tensors as soon as this
     returns) and write it in a background thread. Returns the upload future."""
     with _single_process_quiet():
         result = dcp.async_save(state_dict, checkpoint_id=path, process_group=process_group,
-                                no_dist=not _comm.distributed())
+                                async_stager=stager, no_dist=not _comm.distributed())
     return getattr(result, "upload_completion", result)
 
 

@@ -1,0 +1,149 @@
+"""Checkpoint overhead: hyperacc's save/load against raw DCP on the same FSDP2 model + AdamW state.
+
+    python benchmarks/checkpoint.py [--layers 8 --width 1024 --repeats 3]
+    # re-launches itself with torchrun on 2 processes; or: torchrun --nproc_per_node 2 benchmarks/checkpoint.py
+
+Measures (median of --repeats, fresh directories, sync unless stated):
+  save_state / raw dcp.save   Checkpointer.save (what acc.save_state runs: six buckets, sentinel,
+                              LATEST pointer, barriers) vs dcp.save of get_state_dict(model, optim)
+  load_state / raw dcp.load   Checkpointer.load vs dcp.load + set_state_dict
+  async blocked / sync save   time the loop is blocked by an async save vs a sync save
+Ratios are printed last.
+"""
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def relaunch(argv):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           "--master_port=29533", os.path.abspath(__file__), *argv]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(subprocess.call(cmd, env=env))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    args = parser.parse_args()
+    if "RANK" not in os.environ:
+        relaunch(sys.argv[1:])
+
+    sys.path.insert(0, REPO)
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hyperacc.checkpoint import Checkpointer, TrainState
+    from hyperacc.config import CheckpointConfig
+    from hyperacc.progress import Progress
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+    def train_step():
+        model(torch.randn(8, args.width)).pow(2).mean().backward()
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+    train_step()
+    progress = Progress(global_step=1)
+    state = TrainState(models=[model], optimizers=[optimizer], schedulers=[scheduler], loader=None,
+                       progress=progress, dp_rank=rank, dp_size=dist.get_world_size(), seed=0)
+    root = args.dir or tempfile.mkdtemp(prefix="hyperacc_ckpt_bench_") if rank == 0 else None
+    box = [root]
+    dist.broadcast_object_list(box, src=0)
+    root = box[0]
+    payload_mb = sum(p.numel() * p.element_size() for p in model.parameters()) * 3 / 2**20
+    counter = [0]
+
+    def fresh_dir():
+        counter[0] += 1
+        return os.path.join(root, f"run_{counter[0]}")
+
+    def timed(fn):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    def raw_save(path):
+        msd, osd = get_state_dict(model, optimizer)
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=path)
+
+    def raw_load(path):
+        msd, osd = get_state_dict(model, optimizer)
+        sd = {"model": msd, "optimizer": osd}
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+
+    sync = Checkpointer(CheckpointConfig(checkpoint_dir=os.path.join(root, "managed")), device_type="cpu")
+    results = {"raw_save": [], "save_state": [], "raw_load": [], "load_state": [], "async_blocked": [],
+               "async_total": []}
+    # One Checkpointer per training run, as the Accelerator keeps it (it reuses its staging buffers).
+    async_ckpt = Checkpointer(CheckpointConfig(checkpoint_dir=root, is_async=True), device_type="cpu")
+    for repeat in range(args.repeats + 1):     # round 0 warms up (allocations, process groups)
+        raw_dir, managed_dir = fresh_dir(), fresh_dir()
+        results["raw_save"].append(timed(lambda: raw_save(raw_dir)))
+        results["save_state"].append(timed(lambda: sync.save(state, output_dir=managed_dir)))
+        results["raw_load"].append(timed(lambda: raw_load(raw_dir)))
+        results["load_state"].append(timed(lambda: sync.load(state, managed_dir)))
+        async_dir = fresh_dir()
+        blocked = timed(lambda: async_ckpt.save(state, output_dir=async_dir))
+        start = time.perf_counter()
+        for _ in range(3):
+            train_step()       # the loop goes on while the save is written
+        async_ckpt.wait()
+        dist.barrier()
+        results["async_blocked"].append(blocked)
+        results["async_total"].append(blocked + time.perf_counter() - start)
+        if repeat == 0:
+            for values in results.values():
+                values.clear()
+        elif rank == 0:
+            print("async save phases (ms):", {k: round(v * 1000, 1) for k, v in async_ckpt.last_save_timings.items()})
+        if rank == 0:
+            for path in (raw_dir, managed_dir, async_dir):
+                shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+    async_ckpt.finish(state)
+
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in results.items()}
+        print(f"model+optimizer payload: {payload_mb:.1f} MiB over 2 ranks (fp32 params + AdamW moments), "
+              f"{args.repeats} repeats after 1 warm-up, dir {root}")
+        for key, value in med.items():
+            print(f"  {key:14s} {value * 1000:8.1f} ms   (all: {[round(x * 1000, 1) for x in results[key]]})")
+        print(f"ratio save_state / raw dcp.save : {med['save_state'] / med['raw_save']:.3f}  (goal <= 1.10)")
+        print(f"ratio load_state / raw dcp.load : {med['load_state'] / med['raw_load']:.3f}")
+        print(f"ratio async blocked / sync save : {med['async_blocked'] / med['save_state']:.3f}  (goal <= 0.2)")
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
