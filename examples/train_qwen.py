@@ -92,7 +92,8 @@ def dry_run(cfg, world_size):
         model, world_size=world_size, dp_replicate=cfg.parallel.dp_replicate_size, tp=cfg.parallel.tp_size,
         cp=cfg.parallel.cp_size, wrap_classes=fsdp.wrap_classes, mixed_precision=fsdp.mixed_precision,
         cpu_offload=fsdp.cpu_offload, activation_checkpointing=fsdp.activation_checkpointing,
-        micro_batch_size=cfg.training.micro_batch_size, seq_len=cfg.data.seq_len)
+        micro_batch_size=cfg.training.micro_batch_size, seq_len=cfg.data.seq_len,
+        eager_attention=cfg.model.attn_implementation in (None, "eager"))
     print(format_config(cfg))
     print(format_plan(plan))
 
@@ -113,7 +114,7 @@ def build_data(cfg, acc):
         train_ds, tokenizer = build_train_dataset(d.dataset, tokenizer_id, split=d.split, **common)
         eval_ds = None
         if cfg.eval.eval_steps:
-            eval_ds, _ = build_train_dataset(d.dataset, tokenizer, split=d.eval_split or "validation", **common)
+            eval_ds, _ = build_train_dataset(d.dataset, tokenizer_id, split=d.eval_split or "validation", **common)
     return train_ds, eval_ds, tokenizer
 
 

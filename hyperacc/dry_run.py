@@ -54,7 +54,7 @@ def _shard_numel(shape, shards: int) -> int:
 def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, tp: int = 1, cp: int = 1,
                   wrap_classes=None, mixed_precision: Optional[str] = None, cpu_offload: bool = False,
                   activation_checkpointing: bool = False, micro_batch_size: Optional[int] = None,
-                  seq_len: Optional[int] = None) -> ShardingPlan:
+                  seq_len: Optional[int] = None, eager_attention: bool = True) -> ShardingPlan:
     """Plan ``model`` (on the meta device) for ``world_size`` ranks; no process group needed."""
     from hyperacc.sharding import block_classes, find_blocks
 
@@ -94,14 +94,17 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
         heads = int(getattr(config, "num_attention_heads", 1))
         vocab = int(getattr(config, "vocab_size", 0))
         tokens = micro_batch_size * seq_len
-        block_peak = tokens * hidden * compute * 16 + micro_batch_size * heads * seq_len * seq_len * compute * 2
+        block_peak = tokens * hidden * compute * 16
+        if eager_attention:      # the (heads x seq x seq) score and probability matrices
+            block_peak += micro_batch_size * heads * seq_len * seq_len * compute * 2
         if activation_checkpointing:
             acts = layers * tokens * hidden * compute + block_peak
         else:
             acts = layers * block_peak
         acts += 2 * tokens * vocab * 4
-        sizes["activations (rough: block inputs/recompute, eager attention, fp32 logits)"] = float(acts)
-        notes.append("activations are a rough order of magnitude (eager attention; sdpa/flash need less)")
+        sizes["activations (rough: block inputs, one block's recompute, fp32 logits)"] = float(acts)
+        notes.append("activations are a rough order of magnitude" + (
+            " (eager attention: its seq x seq scores are included)" if eager_attention else ""))
     persistent = ("params (fp32 master, sharded)", "grads (fp32, sharded)",
                   "optimizer (AdamW exp_avg + exp_avg_sq, fp32)")
     if cpu_offload:
