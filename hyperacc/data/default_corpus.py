@@ -105,7 +105,7 @@ def collect_documents(modules: Sequence[str] = DEFAULT_MODULES, *, min_chars: in
     """The corpus: one document per docstring of at least ``min_chars`` characters.
 
     Memoised per process (the stdlib does not change while it runs)."""
-    return list(_collect(tuple(modules), min_chars))
+    return list(_collect(tuple(sorted(modules)), min_chars))
 
 
 @functools.lru_cache(maxsize=4)
@@ -186,12 +186,25 @@ def build_default_corpus(vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: Option
     """
     if not 256 + 1 <= vocab_size <= 65499:
         raise ValueError(f"vocab_size must be in [257, 65499] (256 byte symbols + EOS), got {vocab_size}")
-    documents = collect_documents(modules)
-    key = corpus_fingerprint(documents, vocab_size=vocab_size, model_max_length=model_max_length,
-                             min_chars=MIN_DOC_CHARS, eos=EOS_TOKEN)
     root = os.path.join(cache_dir or default_cache_dir(), "default_corpus")
-    final = os.path.join(root, f"v{vocab_size}-{key}")
+    settings = dict(vocab_size=vocab_size, model_max_length=model_max_length, min_chars=MIN_DOC_CHARS,
+                    eos=EOS_TOKEN)
+    # Fast path: the source files' names, sizes and mtimes map to a built directory (which itself is
+    # keyed by the content hash), so a warm start does not re-read the stdlib.
+    pointer = os.path.join(root, "by_source", _source_key(modules, settings))
+    try:
+        with open(pointer) as f:
+            known = os.path.join(root, f.read().strip())
+        if os.path.isfile(os.path.join(known, "corpus.idx")):
+            return known
+    except OSError:
+        pass
+    documents = collect_documents(modules)
+    key = corpus_fingerprint(documents, **settings)
+    name = f"v{vocab_size}-{key}"
+    final = os.path.join(root, name)
     if os.path.isfile(os.path.join(final, "corpus.idx")):
+        _write_pointer(pointer, name)
         return final
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".building-", dir=root)
@@ -216,7 +229,30 @@ def build_default_corpus(vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: Option
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+    _write_pointer(pointer, name)
     return final
+
+
+def _source_key(modules: Sequence[str], settings: dict) -> str:
+    stdlib = sysconfig.get_paths()["stdlib"]
+    h = hashlib.sha256(json.dumps({"format": FORMAT_VERSION, "stdlib": stdlib, **settings}, sort_keys=True).encode())
+    for name in sorted(modules):
+        path = _module_file(stdlib, name)
+        if path is not None:
+            st = os.stat(path)
+            h.update(f"{name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:24]
+
+
+def _write_pointer(pointer: str, name: str) -> None:
+    try:
+        os.makedirs(os.path.dirname(pointer), exist_ok=True)
+        tmp = f"{pointer}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(name + "\n")
+        os.replace(tmp, pointer)
+    except OSError:
+        pass  # only an optimisation
 
 
 def default_tokenizer_dir(vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: Optional[str] = None) -> str:
