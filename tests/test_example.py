@@ -1,0 +1,137 @@
+"""examples/train_qwen.py end to end on real `accelerate launch` processes (2 CPU ranks, gloo).
+
+Four 2-process launches serve every assertion (module-scoped fixtures):
+  baseline  - the default config, 30 steps, production mode, uninterrupted;
+  resume    - run 1: validate mode, stopped after step 15 by the preemption test hook with a save
+              at 15 (same max_steps=30, so the same lr schedule); run 2: production mode,
+              --checkpoint.restore_from=LATEST, to step 30, appending to the same JSONL;
+  nan       - validate mode with a NaN planted at step 3 on rank 1.
+Config errors and the 30B dry run run as plain `python` processes (no launcher, seconds).
+"""
+import json
+import math
+import os
+
+import pytest
+
+from tests.dist_utils import REPO, run_accelerate, run_python
+
+SCRIPT = REPO / "examples" / "train_qwen.py"
+CPU2 = REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
+STEPS, STOP = 30, 15
+
+
+def _records(path):
+    with open(path) as handle:
+        rows = [json.loads(line) for line in handle if line.strip()]
+    return [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
+
+
+def _launch(args, env=None, check=True):
+    return run_accelerate(SCRIPT, CPU2, ["--logging.progress_bar=false", *args], env=env, timeout=400,
+                          check=check)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    out = tmp_path_factory.mktemp("baseline")
+    _launch([f"--logging.metrics_file={out / 'metrics.jsonl'}", f"--training.max_steps={STEPS}"])
+    return _records(out / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def resume(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume")
+    common = [f"--logging.metrics_file={out / 'metrics.jsonl'}", f"--training.max_steps={STEPS}",
+              "--checkpoint.save_ckpt=true", f"--checkpoint.checkpoint_dir={out / 'ckpt'}",
+              f"--checkpoint.save_steps={STOP}"]
+    first = _launch(common + ["--training.mode=validate"], env={"HYPERACC_TEST_STOP_AT_STEP": str(STOP)})
+    second = _launch(common + ["--checkpoint.restore_from=LATEST"])
+    return out, first, second, _records(out / "metrics.jsonl")
+
+
+def test_loss_falls_and_metrics_complete(baseline):
+    train, evals = baseline
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for r in train:
+        for key in ("step", "epoch", "loss", "grad_norm", "lr", "step_time", "tokens_per_second"):
+            assert r[key] is not None and math.isfinite(r[key]), (key, r)
+    first = train[0]["loss"]
+    last = sum(r["loss"] for r in train[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+    # warm-up then cosine decay
+    lrs = [r["lr"] for r in train]
+    assert lrs[0] < lrs[2] and lrs[-1] < lrs[10]
+    # evaluation every 10 steps on the held-out split; it improves too
+    assert [e["step"] for e in evals] == [10, 20, 30]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert all(abs(e["eval_ppl"] - math.exp(e["eval_loss"])) < 1e-6 * e["eval_ppl"] for e in evals)
+
+
+def test_validate_mode_matches_production(baseline, resume):
+    train, _ = baseline
+    _, _, _, (resumed, _) = resume
+    validate = [r["loss"] for r in resumed[:STOP]]
+    production = [r["loss"] for r in train[:STOP]]
+    assert validate == production
+
+
+def test_resume_continues_exactly(baseline, resume):
+    train, _ = baseline
+    out, first, second, (resumed, _) = resume
+    assert os.path.isfile(out / "ckpt" / "config.yaml")
+    assert (out / "ckpt" / "latest_checkpoint_iteration.txt").read_text().strip() == str(STEPS)
+    assert "resumed at step 15" in second.stdout
+    # the JSONL continues at STOP + 1, every step once
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    by_step = {r["step"]: r for r in train}
+    assert resumed[STOP]["lr"] == pytest.approx(by_step[STOP + 1]["lr"], rel=1e-12)
+    for r in resumed[STOP:]:
+        ref = by_step[r["step"]]
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5), r["step"]
+        assert r["lr"] == pytest.approx(ref["lr"], rel=1e-12), r["step"]
+        assert r["consumed_samples"] == ref["consumed_samples"]
+
+
+def test_planted_nan_stops_validate_mode(tmp_path):
+    proc = _launch(["--training.mode=validate", "--training.max_steps=5", "--eval.eval_steps=0",
+                    f"--logging.metrics_file={tmp_path / 'm.jsonl'}"],
+                   env={"HYPERACC_TEST_NAN_AT_STEP": "3"}, check=False)
+    assert proc.returncode != 0
+    assert "non-finite loss at step 3 on rank 1 micro-batch 0" in proc.stderr, proc.stderr[-3000:]
+    train, _ = _records(tmp_path / "m.jsonl")
+    assert [r["step"] for r in train] == [1, 2]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--training.max_stepz=3"], "Unknown field 'training.max_stepz'"),
+    (["--training.max_steps=three"], "training.max_steps must be int"),
+    (["--optimizer._target_=torch.optim.SGD"], "_target_ cannot be overridden"),
+    (["--training.global_batch_size=10", "--training.micro_batch_size=4"], "not a multiple"),
+])
+def test_config_errors(args, needle):
+    proc = run_python(SCRIPT, args, check=False, timeout=60)
+    assert proc.returncode == 2
+    assert needle in proc.stderr and proc.stderr.count("config error") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_indivisible_batch_for_the_world_size():
+    # checked from WORLD_SIZE before any process group or model exists
+    proc = run_python(SCRIPT, ["--training.global_batch_size=6"], env={"WORLD_SIZE": "2"},
+                      check=False, timeout=60)
+    assert proc.returncode == 2
+    assert "2 data-parallel ranks" in proc.stderr, proc.stderr
+
+
+def test_30b_dry_run_for_8_ranks():
+    proc = run_python(SCRIPT, [REPO / "examples" / "configs" / "qwen3_30b_a3b.yaml", "--training.dry_run=true"],
+                      check=True, timeout=240)
+    lines = dict(line.split("=", 1) for line in proc.stdout.splitlines()
+                 if line.startswith(("total_params=", "params_per_rank=")))
+    total = int(lines["total_params"].split()[0])
+    per_rank = int(lines["params_per_rank"].split()[0])
+    assert 30.4e9 < total < 30.7e9
+    assert total / 8 <= per_rank < total / 8 * 1.01
+    assert "dry run: world_size=8" in proc.stdout
+    assert "optimizer (AdamW" in proc.stdout and "device total" in proc.stdout
