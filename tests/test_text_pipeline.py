@@ -118,6 +118,8 @@ def test_bad_inputs(tok, jsonl, tmp_path):
         build_text_dataset(jsonl, tok, 10**6)
     with pytest.raises(ValueError, match="not found"):
         build_text_dataset(str(tmp_path / "missing.jsonl"), tok, 16)
+    with pytest.raises(ValueError, match="no such file"):
+        build_text_dataset("relative/missing.jsonl", tok, 16)
     with pytest.raises(ValueError, match="nope/nothing"):
         build_text_dataset("nope/nothing", tok, 16)  # hub name, offline and not cached
     import datasets

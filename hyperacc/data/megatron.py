@@ -164,24 +164,29 @@ class IndexedDataset:
         lengths = self.sequence_lengths
         if n_seq and lengths.min() < 0:
             raise self._fail(self.idx_path, "negative sequence length", regen)
-        # Token offsets of every sequence: the reader requires the contiguous layout that
-        # Megatron's builder and our writer both produce (pointer[i] = sum(lengths[:i]) * itemsize).
-        ends = np.cumsum(lengths, dtype=np.int64)
-        starts = ends - lengths
-        if n_seq and not np.array_equal(self.sequence_pointers, starts * itemsize):
-            bad = int(np.flatnonzero(self.sequence_pointers != starts * itemsize)[0])
-            raise self._fail(self.idx_path, f"sequence pointer {bad} is {int(self.sequence_pointers[bad])}"
-                             f", expected {int(starts[bad] * itemsize)} (sequences must lie back to "
-                             f"back in the .bin)", regen)
-        self.num_tokens = int(ends[-1]) if n_seq else 0
+        # The reader requires the contiguous layout that Megatron's builder and our writer both
+        # produce: pointer[i] == sum(lengths[:i]) * itemsize. Checked in chunks (bounded memory);
+        # nothing per sequence is kept in RAM beyond the memory-mapped index.
+        total = 0
+        chunk = 1 << 20
+        for a in range(0, n_seq, chunk):
+            ln = lengths[a:a + chunk].astype(np.int64)
+            ends = np.cumsum(ln) + total
+            expect = (ends - ln) * itemsize
+            ptr = self.sequence_pointers[a:a + chunk]
+            if not np.array_equal(ptr, expect):
+                bad = int(np.flatnonzero(ptr != expect)[0])
+                raise self._fail(self.idx_path, f"sequence pointer {a + bad} is {int(ptr[bad])}, expected "
+                                 f"{int(expect[bad])} (sequences must lie back to back in the .bin)", regen)
+            total = int(ends[-1])
+        self.num_tokens = total
         bin_size = os.path.getsize(self.bin_path)
         if bin_size != self.num_tokens * itemsize:
             raise self._fail(self.bin_path, f"size mismatch: the index describes {self.num_tokens} "
                              f"tokens of {self.dtype.name} = {self.num_tokens * itemsize} bytes, but the "
                              f"file has {bin_size} bytes (truncated, or not the .bin of this .idx)",
                              regen)
-        self._starts = starts
-        self._ends = ends
+        self._shift = itemsize.bit_length() - 1  # itemsize is a power of two
         if bin_size:
             # A plain ndarray view of the memory map: slicing it is cheaper than slicing a memmap.
             self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r",
@@ -201,12 +206,13 @@ class IndexedDataset:
         if isinstance(i, slice):
             start, stop, step = i.indices(len(self))
             return [self[j] for j in range(start, stop, step)]
-        s = self._starts[i]
-        return self.tokens[s:self._ends[i]]
+        s = int(self.sequence_pointers[i]) >> self._shift
+        return self.tokens[s:s + int(self.sequence_lengths[i])]
 
     def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of sequence ``i``."""
-        s, e = int(self._starts[i]), int(self._ends[i])
+        s = int(self.sequence_pointers[i]) >> self._shift
+        e = s + int(self.sequence_lengths[i])
         s = s + offset
         if length is not None:
             e = min(e, s + length)
@@ -217,12 +223,20 @@ class IndexedDataset:
         a, b = int(self.document_indices[k]), int(self.document_indices[k + 1])
         if a == b:
             return self.tokens[0:0]
-        return self.tokens[int(self._starts[a]):int(self._ends[b - 1])]
+        s = int(self.sequence_pointers[a]) >> self._shift
+        e = (int(self.sequence_pointers[b - 1]) >> self._shift) + int(self.sequence_lengths[b - 1])
+        return self.tokens[s:e]
 
     def document_token_offsets(self) -> np.ndarray:
         """Token offset where each document starts in the flat token stream, plus the total."""
-        bounds = np.concatenate([[0], self._ends])
-        return bounds[self.document_indices]
+        docs = self.document_indices
+        out = np.empty(len(docs), dtype=np.int64)
+        first = docs[:-1]
+        nonempty = first < len(self)
+        out[:-1][nonempty] = self.sequence_pointers[first[nonempty]] >> self._shift
+        out[:-1][~nonempty] = self.num_tokens
+        out[-1] = self.num_tokens
+        return out
 
     def __repr__(self) -> str:
         return (f"IndexedDataset({self.prefix!r}, sequences={len(self)}, documents="

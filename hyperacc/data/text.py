@@ -126,8 +126,11 @@ def _load_all_splits(path: str, name: Optional[str], data_files=None):
         return datasets.load_dataset(builders.pop(), data_files=files, **kwargs)
     if os.path.isdir(path):
         return datasets.load_dataset(path, name)
-    if os.path.sep in path.strip("/") and path.startswith((".", "/", "~")):
-        raise ValueError(f"dataset {path!r} not found: no such file or directory")
+    looks_local = path.startswith((".", "/", "~")) or os.path.splitext(
+        path[:-3] if path.endswith(".gz") else path)[1].lower() in _FILE_BUILDERS
+    if looks_local:
+        raise ValueError(f"dataset {path!r} not found: no such file or directory (a local path was expected "
+                         f"from its form; hub names look like 'owner/name')")
     return datasets.load_dataset(path, name)
 
 
