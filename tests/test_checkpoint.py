@@ -347,3 +347,33 @@ def test_no_unsafe_load_in_package():
             if name.endswith(".py"):
                 with open(os.path.join(dirpath, name)) as handle:
                     assert "weights_only=False" not in handle.read(), name
+
+
+# ----------------------------------------------------------------------------- async
+def test_async_staged_copy_and_background_error(tmp_path, monkeypatch):
+    config = cfg(tmp_path, is_async=True)
+    state = make_state()
+    ckpt = Checkpointer(config)
+    train(state, ckpt, 2)
+    expected = {k: v.clone() for k, v in state.models[0].state_dict().items()}
+    path = ckpt.save(state)
+    with torch.no_grad():                                   # the loop mutates right after the call
+        for p in state.models[0].parameters():
+            p.add_(1.0)
+    ckpt.wait()
+    assert discovery.read_pointer(config.checkpoint_dir) == 2
+    fresh = make_state(seed=8)
+    Checkpointer(config).load(fresh, path)
+    for k, v in fresh.models[0].state_dict().items():
+        assert torch.equal(v, expected[k]), k
+
+    import concurrent.futures
+    failed = concurrent.futures.Future()
+    failed.set_exception(OSError("disk full"))
+    monkeypatch.setattr(storage, "dcp_async_save", lambda *a, **k: failed)
+    state.progress.global_step = 3
+    assert ckpt.save(state).endswith("global_step_3")        # returns: the error surfaces later
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.on_step_end(state)                              # re-raised on the next call
+    assert discovery.read_pointer(config.checkpoint_dir) == 2
+    ckpt.wait()                                              # raised once, then cleared
