@@ -19,6 +19,7 @@ Importing this module is cheap: datasets/transformers are imported when a conver
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import signal
 import sys
@@ -93,8 +94,16 @@ def _encoded_batches(encoder: _Encoder, batches: Iterable[List], workers: int) -
 
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     pool = mp.get_context(method).Pool(workers, initializer=_init_worker, initargs=(encoder,))
+    # A bounded window of batches in flight, results in order: Pool.imap would read the whole
+    # input ahead of the workers, which does not fit in memory for large corpora.
+    window = collections.deque()
     try:
-        yield from pool.imap(_encode_in_worker, batches, chunksize=1)
+        for texts in batches:
+            window.append(pool.apply_async(_encode_in_worker, (texts,)))
+            if len(window) >= 2 * workers + 1:
+                yield window.popleft().get()
+        while window:
+            yield window.popleft().get()
         pool.close()
     except BaseException:
         pool.terminate()
