@@ -151,3 +151,22 @@ def test_build_train_dataset_dispatch(tok, tok_dir, jsonl, tmp_path):
     assert isinstance(bl, BlendedDataset) and bl.counts[0] == bl.counts[1]
     bl2, _ = build_train_dataset([p1, p2], tok_dir, seq_len=16, split="all", weights=[3, 1], num_samples=40)
     assert bl2.counts.tolist() == [30, 10]
+
+
+def test_hub_path_loads_only_needed_splits(monkeypatch):
+    """The hub branch (simulated: no network here) asks for split names, then loads one split."""
+    import datasets
+
+    calls = []
+    monkeypatch.setattr(datasets, "get_dataset_split_names", lambda path, name=None: ["train", "test"])
+
+    def fake_load(path, name=None, split=None, **kw):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_dict({"text": TEXTS})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    va = load_text_dataset("owner/corpus", name="en", split="validation", holdout_fraction=0.1)
+    assert len(va) == 6 and calls == [("owner/corpus", "en", "train")]
+    assert len(load_text_dataset("owner/corpus", name="en", split="test")) == 61
+    with pytest.raises(ValueError, match="unknown split 'dev'.*available splits: train, test"):
+        load_text_dataset("owner/corpus", split="dev")

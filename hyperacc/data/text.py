@@ -131,7 +131,33 @@ def _load_all_splits(path: str, name: Optional[str], data_files=None):
     if looks_local:
         raise ValueError(f"dataset {path!r} not found: no such file or directory (a local path was expected "
                          f"from its form; hub names look like 'owner/name')")
-    return datasets.load_dataset(path, name)
+    return _HubSplits(path, name)
+
+
+class _HubSplits:
+    """Split name -> Dataset for a hub dataset, loading only the splits that are asked for (a
+    pre-training corpus may have large splits that are not needed)."""
+
+    def __init__(self, path: str, name: Optional[str]):
+        import datasets
+
+        self.path, self.name = path, name
+        try:
+            self._names = list(datasets.get_dataset_split_names(path, name))
+            self._all = None
+        except Exception:  # no split metadata (e.g. some offline caches): load everything once
+            self._all = datasets.load_dataset(path, name)
+            self._names = list(self._all.keys())
+
+    def keys(self):
+        return list(self._names)
+
+    def __getitem__(self, split: str):
+        if self._all is not None:
+            return self._all[split]
+        import datasets
+
+        return datasets.load_dataset(self.path, self.name, split=split)
 
 
 def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = None, split: str = "train",
