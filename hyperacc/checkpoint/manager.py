@@ -80,8 +80,9 @@ class Checkpointer:
             if step > 0 and self.policy.final_needed(step):
                 self.save(state, final=True)
             self.wait()
-            if self.config.save_consolidated == "final" and self._last_saved_path:
-                hf_dir = os.path.join(self._last_saved_path, "hf")
+            last = self._last_saved_path
+            if self.config.save_consolidated == "final" and last and discovery.step_of(last) == step:
+                hf_dir = os.path.join(last, "hf")
                 if not _comm.broadcast_object(os.path.isdir(hf_dir), self.cpu_group):
                     export_hf(buckets.as_list(state.models)[0], hf_dir, group=self.cpu_group)
         finally:
@@ -216,8 +217,7 @@ class Checkpointer:
         if cfg.restore_train_state:
             self._restore_train_state(state, plan, payload, optimizer_restored=n_opt > 0)
         self.policy.note_restored(int(state.progress.global_step), int(state.progress.epoch))
-        if discovery.step_of(path) == int(state.progress.global_step):
-            self._last_saved_path = path
+        self._last_saved_path = path if discovery.step_of(path) == int(state.progress.global_step) else None
         _comm.barrier(self.cpu_group)
         return path
 
@@ -291,10 +291,9 @@ class Checkpointer:
             raise FileNotFoundError(f"{path} holds no optimizer state (saved with save_optimizer=False); "
                                     "set restore_optimizer=False to load it.")
         if n_optimizers and saved_optimizers != n_optimizers:
-            warnings_text = (f"The checkpoint holds {saved_optimizers} optimizer(s) but training has "
-                             f"{n_optimizers}: restoring the first {min(saved_optimizers, n_optimizers)} "
-                             "pair(s) in order, the rest keep their fresh state.")
-            warn0(warnings_text)
+            warn0(f"The checkpoint holds {saved_optimizers} optimizer(s) but training has {n_optimizers}: "
+                  f"restoring the first {min(saved_optimizers, n_optimizers)} pair(s) in order, the rest "
+                  "keep their fresh state.")
 
         layout = sentinel.get("train_state")
         if layout is None:  # not written by hyperacc: detect from the files

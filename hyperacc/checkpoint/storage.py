@@ -71,7 +71,7 @@ def atomic_save(obj, path: str) -> None:
     os.replace(tmp, path)
 
 
-_ALLOWED_BUILTINS = {"set", "frozenset", "slice", "object", "complex", "bytearray", "getattr"}
+_ALLOWED_BUILTINS = {"set", "frozenset", "slice", "object", "complex", "bytearray"}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -80,17 +80,14 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if module.startswith("torch.distributed.checkpoint"):
             return super().find_class(module, name)
-        if module == "torch" and name in ("Size",) or (module == "torch" and isinstance(
-                getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        if module == "torch.distributed.tensor._dtensor_spec" or module.startswith("torch.distributed.tensor.placement"):
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         if (module, name) in (("collections", "OrderedDict"), ("copyreg", "__newobj__"),
                               ("copyreg", "_reconstructor"), ("torch.serialization", "_get_layout"),
                               ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
                               ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")):
             return super().find_class(module, name)
-        if module == "builtins" and name in _ALLOWED_BUILTINS - {"getattr"}:
+        if module == "builtins" and name in _ALLOWED_BUILTINS:
             return super().find_class(module, name)
         raise UnsafeCheckpointError(f"DCP metadata references {module}.{name}, which a checkpoint's "
                                     "metadata never needs; refusing to load it.")
