@@ -88,12 +88,15 @@ def dry_run(cfg, world_size):
     vocab = None if "vocab_size" in cfg.model.overrides else _tokenizer(cfg)
     model = build_model(cfg, vocab_size=vocab)
     fsdp = cfg.fsdp
-    plan = plan_sharding(
-        model, world_size=world_size, dp_replicate=cfg.parallel.dp_replicate_size, tp=cfg.parallel.tp_size,
-        cp=cfg.parallel.cp_size, wrap_classes=fsdp.wrap_classes, mixed_precision=fsdp.mixed_precision,
-        cpu_offload=fsdp.cpu_offload, activation_checkpointing=fsdp.activation_checkpointing,
-        micro_batch_size=cfg.training.micro_batch_size, seq_len=cfg.data.seq_len,
-        eager_attention=cfg.model.attn_implementation in (None, "eager"))
+    try:
+        plan = plan_sharding(
+            model, world_size=world_size, dp_replicate=cfg.parallel.dp_replicate_size, tp=cfg.parallel.tp_size,
+            cp=cfg.parallel.cp_size, wrap_classes=fsdp.wrap_classes, mixed_precision=fsdp.mixed_precision,
+            cpu_offload=fsdp.cpu_offload, activation_checkpointing=fsdp.activation_checkpointing,
+            micro_batch_size=cfg.training.micro_batch_size, seq_len=cfg.data.seq_len,
+            eager_attention=cfg.model.attn_implementation in (None, "eager"))
+    except ValueError as err:
+        raise ConfigError(f"dry run for {world_size} ranks: {err}") from None
     print(format_config(cfg))
     print(format_plan(plan))
 
@@ -127,7 +130,8 @@ def train(cfg):
 
     t = cfg.training
     validate = t.mode == "validate"
-    if validate:
+    if validate:   # reproducible kernels (cuBLAS needs a fixed workspace); warnings where none exist
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
 
     acc = hyperacc.Accelerator(parallel=cfg.parallel, fsdp=cfg.fsdp, checkpoint=cfg.checkpoint, seed=t.seed)

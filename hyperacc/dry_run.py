@@ -21,7 +21,6 @@ import torch.nn as nn
 
 __all__ = ["ShardingPlan", "plan_sharding", "format_plan"]
 
-_GIB = float(1 << 30)
 _BYTES = {"bf16": 2, "fp16": 2, None: 4}
 
 
@@ -128,6 +127,13 @@ def _human(n: float) -> str:
     return str(int(n))
 
 
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:9.2f} {unit}"
+    return f"{n:9.0f} B"
+
+
 def format_plan(plan: ShardingPlan) -> str:
     """A readable report of ``plan``; the first lines are stable for scripts to grep."""
     lines = [
@@ -139,9 +145,9 @@ def format_plan(plan: ShardingPlan) -> str:
         "estimated bytes per rank:",
     ]
     for name, value in plan.bytes.items():
-        lines.append(f"  {name:<72} {value / _GIB:9.2f} GiB")
-    lines.append(f"  {'device total':<72} {plan.device_bytes / _GIB:9.2f} GiB")
+        lines.append(f"  {name:<72} {_bytes(value)}")
+    lines.append(f"  {'device total':<72} {_bytes(plan.device_bytes)}")
     if plan.host_bytes:
-        lines.append(f"  {'host total (offloaded)':<72} {plan.host_bytes / _GIB:9.2f} GiB")
+        lines.append(f"  {'host total (offloaded)':<72} {_bytes(plan.host_bytes)}")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
