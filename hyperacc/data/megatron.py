@@ -203,11 +203,14 @@ class IndexedDataset:
         return len(self.document_indices) - 1
 
     def __getitem__(self, i):
-        if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
-            return [self[j] for j in range(start, stop, step)]
-        s = int(self.sequence_pointers[i]) >> self._shift
-        return self.tokens[s:s + int(self.sequence_lengths[i])]
+        try:  # the hot path: two reads from the mapped index, one slice of the mapped tokens
+            s = self.sequence_pointers.item(i) >> self._shift
+            return self.tokens[s:s + self.sequence_lengths.item(i)]
+        except TypeError:
+            if isinstance(i, slice):
+                start, stop, step = i.indices(len(self))
+                return [self[j] for j in range(start, stop, step)]
+            raise
 
     def get(self, i: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of sequence ``i``."""
