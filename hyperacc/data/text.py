@@ -157,7 +157,11 @@ class _HubSplits:
             return self._all[split]
         import datasets
 
-        return datasets.load_dataset(self.path, self.name, split=split)
+        try:
+            return datasets.load_dataset(self.path, self.name, split=split)
+        except (ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:
+            raise ValueError(f"split {split!r} of dataset {self.path!r} is not cached and cannot be downloaded "
+                             f"({e}); download it on a machine with network access") from e
 
 
 def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = None, split: str = "train",
