@@ -176,6 +176,7 @@ def train(cfg):
 
     # The loop: one loader item = the micro-batches of one optimizer step.
     step = acc.progress.global_step
+    acc.wait_for_everyone()                    # step 1's time must not include another rank's start-up
     while step < stop_at and loader.epoch < t.epochs:
         epoch = loader.epoch
         for batch in loader:
@@ -205,7 +206,11 @@ def train(cfg):
             if step >= stop_at:
                 break
 
-    if eval_ds is not None and step % cfg.eval.eval_steps != 0 and step == t.max_steps:
+    if step < stop_at:
+        acc.print(f"the data ran out after training.epochs={t.epochs} epoch(s) of {len(loader)} steps: "
+                  f"stopped at step {step} < training.max_steps={t.max_steps}")
+    finished = step == t.max_steps or step < stop_at      # not when stopped by the test hook
+    if eval_ds is not None and finished and step % cfg.eval.eval_steps != 0:
         run_eval(step)                         # the final evaluation
     metrics.close()
     cleanup.close()
@@ -219,7 +224,8 @@ def main(argv=None):
             return dry_run(cfg, world)
         return train(cfg)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":   # one message, not one per process
+            print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
 
 
