@@ -42,6 +42,7 @@ def main():
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--restore", default=None)
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--embedded", action="store_true", help="save_extra_state_per_rank=False")
     p.add_argument("--export", default="none")
     p.add_argument("--kill-during-save", type=int, default=0)
     p.add_argument("--dump-params", default=None)
@@ -60,7 +61,7 @@ def main():
     config = hyperacc.CheckpointConfig(
         save_ckpt=not args.no_save, checkpoint_dir=args.ckpt, save_steps=args.save_steps,
         save_epochs=args.save_epochs, is_async=args.async_save, restore_from=args.restore,
-        save_consolidated=args.export)
+        save_consolidated=args.export, save_extra_state_per_rank=not args.embedded)
     acc = hyperacc.Accelerator(checkpoint=config, seed=7)
     model = build_causal_lm(qwen3_moe_config(), seed=7)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
