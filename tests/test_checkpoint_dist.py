@@ -141,3 +141,17 @@ def test_hf_export_loads_with_from_pretrained(runs):
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(got[name].detach(), tensor), name
+
+
+def test_fail_closed_on_two_processes(tmp_path):
+    """Each error is raised on both ranks alike, and the job goes on (no rank left in a collective)."""
+    run_torchrun(REPO / "tests" / "scripts" / "ckpt_failclosed.py", 2, [tmp_path / "f", tmp_path / "ck"],
+                 timeout=180)
+    r0, r1 = _records(tmp_path / "f", 2)
+    assert r0 == r1
+    assert r0["async_save"] == ["ok", "global_step_2"]
+    assert r0["load_after_async"] == ["ok", "global_step_2"]
+    assert r0["missing_dir"][0] == "FileNotFoundError"
+    assert r0["missing_key"][0] == "RuntimeError" and "missing model key" in r0["missing_key"][1]
+    assert r0["missing_rank_file"][0] == "FileNotFoundError" and "extra_state" in r0["missing_rank_file"][1]
+    assert r0["load_ok"] == ["ok", "global_step_2"] and r0["weights_equal"]
