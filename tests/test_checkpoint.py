@@ -377,3 +377,20 @@ def test_async_staged_copy_and_background_error(tmp_path, monkeypatch):
         ckpt.on_step_end(state)                              # re-raised on the next call
     assert discovery.read_pointer(config.checkpoint_dir) == 2
     ckpt.wait()                                              # raised once, then cleared
+
+
+def test_hf_export_sharded_with_index(tmp_path):
+    import json as _json
+    from transformers import AutoModelForCausalLM
+    from hyperacc.checkpoint.export import export_hf
+    from hyperacc.models import build_causal_lm, qwen3_moe_config
+    model = build_causal_lm(qwen3_moe_config(), seed=0)
+    out = export_hf(model, str(tmp_path / "hf"), max_shard_bytes=200_000)
+    files = sorted(os.listdir(out))
+    assert "model.safetensors.index.json" in files and "config.json" in files
+    index = _json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    assert len(set(index["weight_map"].values())) > 1
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    expected = dict(model.named_parameters())
+    for name, tensor in loaded.named_parameters():
+        assert torch.equal(tensor, expected[name]), name
