@@ -124,6 +124,7 @@ def main():
                 values.clear()
         elif rank == 0:
             print("async save phases (ms):", {k: round(v * 1000, 1) for k, v in async_ckpt.last_save_timings.items()})
+            print("load_state phases (ms):", {k: round(v * 1000, 1) for k, v in sync.last_load_timings.items()})
         if rank == 0:
             for path in (raw_dir, managed_dir, async_dir):
                 shutil.rmtree(path, ignore_errors=True)

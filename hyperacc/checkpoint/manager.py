@@ -21,6 +21,21 @@ logger = logging.getLogger("hyperacc.checkpoint")
 warn0 = buckets.warn0
 
 
+class _Clock:
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps = {}
+
+    def lap(self, name):
+        now = time.perf_counter()
+        self.laps[name] = now - self.last
+        self.last = now
+
+    def done(self):
+        self.laps["total"] = time.perf_counter() - self.start
+        return self.laps
+
+
 @dataclasses.dataclass
 class TrainState:
     """Everything a checkpoint covers, built fresh by the Accelerator for each call."""
@@ -54,6 +69,7 @@ class Checkpointer:
         self._stager = None
         self._last_saved_path: Optional[str] = None
         self.last_save_timings: dict = {}   # seconds the caller was blocked, by phase
+        self.last_load_timings: dict = {}
 
     # ------------------------------------------------------------------ public API
     def on_step_end(self, state: TrainState) -> Optional[str]:
@@ -189,6 +205,7 @@ class Checkpointer:
         source = source if source is not None else cfg.restore_from
         if source is None:
             return None
+        clock = _Clock()
         models = buckets.as_list(state.models)
         optimizers = buckets.as_list(state.optimizers) if cfg.restore_optimizer else []
         templates = [buckets.model_state(m) for m in models]
@@ -198,6 +215,7 @@ class Checkpointer:
         if plan is None:
             return None
         path = plan["path"]
+        clock.lap("plan")
 
         payload = {buckets.model_key(i): t for i, t in enumerate(templates)}
         n_opt = min(len(optimizers), plan["saved_optimizers"])
@@ -207,18 +225,24 @@ class Checkpointer:
         if plan["layout"] == "embedded" and cfg.restore_train_state:
             payload[storage.EMBEDDED_EXTRA_KEY] = torch.empty(plan["embedded_numel"], dtype=torch.uint8)
         strict = () if cfg.is_peft else tuple(f"{buckets.model_key(i)}." for i in range(len(models)))
+        clock.lap("state_dicts")
         storage.dcp_load(payload, path, strict_prefixes=strict, process_group=self.cpu_group)
+        clock.lap("dcp")
 
         for i, model in enumerate(models):
             buckets.restore_model(model, payload[buckets.model_key(i)], strict=not cfg.is_peft)
         for i in range(n_opt):
             buckets.restore_optimizer(owners[i], optimizers[i], payload[buckets.optimizer_key(i)])
 
+        clock.lap("apply")
         if cfg.restore_train_state:
             self._restore_train_state(state, plan, payload, optimizer_restored=n_opt > 0)
+        clock.lap("train_state")
         self.policy.note_restored(int(state.progress.global_step), int(state.progress.epoch))
         self._last_saved_path = path if discovery.step_of(path) == int(state.progress.global_step) else None
         _comm.barrier(self.cpu_group)
+        clock.lap("barrier")
+        self.last_load_timings = clock.done()
         return path
 
     # ------------------------------------------------------------------ internals
