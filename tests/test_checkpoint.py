@@ -373,10 +373,16 @@ def test_async_staged_copy_and_background_error(tmp_path, monkeypatch):
     monkeypatch.setattr(storage, "dcp_async_save", lambda *a, **k: failed)
     state.progress.global_step = 3
     assert ckpt.save(state).endswith("global_step_3")        # returns: the error surfaces later
+    ckpt._pending.exception(timeout=30)                      # the background step has finished
     with pytest.raises(OSError, match="disk full"):
         ckpt.on_step_end(state)                              # re-raised on the next call
     assert discovery.read_pointer(config.checkpoint_dir) == 2
     ckpt.wait()                                              # raised once, then cleared
+    state.progress.global_step = 4
+    ckpt.save(state)
+    state.progress.global_step = 5
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save(state)                                     # a new save first waits for the last
 
 
 def test_hf_export_sharded_with_index(tmp_path):
