@@ -76,3 +76,35 @@ def decide_on_rank0(fn: Callable[[], object], group=None):
         err_type = RuntimeError
         message = f"{type_name}: {message}"
     raise err_type(message)
+
+
+def run_on_every_rank(fn: Callable[[], object], group=None):
+    """Run ``fn`` on every rank; if it fails on any rank, raise on every rank.
+
+    For per-rank work (writing or reading this rank's own file) followed by collectives: a rank
+    that failed alone would otherwise leave the others waiting. The failing rank re-raises its
+    own exception; the others raise one of the same built-in type naming the failed rank.
+    """
+    error: Optional[BaseException] = None
+    result = None
+    try:
+        result = fn()
+    except Exception as err:  # noqa: BLE001 - shared with every rank below
+        error = err
+    if not distributed():
+        if error is not None:
+            raise error
+        return result
+    summary = None if error is None else (type(error).__name__, str(error))
+    summaries = [None] * world_size()
+    dist.all_gather_object(summaries, summary, group=group)
+    if error is not None:
+        raise error
+    for failed_rank, item in enumerate(summaries):
+        if item is not None:
+            type_name, message = item
+            err_type = getattr(builtins, type_name, None)
+            if not (isinstance(err_type, type) and issubclass(err_type, _RAISABLE)):
+                err_type = RuntimeError
+            raise err_type(f"rank {failed_rank} failed: {type_name}: {message}")
+    return result

@@ -148,24 +148,28 @@ class Checkpointer:
         timings["state_dicts"] = time.perf_counter() - start - sum(timings.values())
         layout = "none"
         if cfg.save_train_state:
-            shared = buckets.shared_extra_state(state)
-            if cfg.save_extra_state_per_rank:
-                layout = "per_rank"
-                per_rank = {**shared, "rng": rng.get_rng_state(self.device_type), "rank": _comm.rank(),
-                            "world_size": _comm.world_size(), "dp_rank": int(state.dp_rank),
-                            "dp_size": int(state.dp_size)}
-                storage.atomic_save(per_rank, storage.extra_state_path(path, _comm.rank()))
-            else:
-                layout = "embedded"
-                payload[storage.EMBEDDED_EXTRA_KEY] = storage.bytes_to_tensor(storage.dumps(shared))
-        if _comm.rank() == 0:
-            storage.write_sentinel(path, {
-                "global_step": step, "epoch": int(state.progress.epoch), "train_state": layout,
-                "rng": "per_rank" if layout == "per_rank" else "not_saved",
-                "models": len(models), "optimizers": len(optimizers),
-                "schedulers": len(buckets.as_list(state.schedulers)) if layout != "none" else 0,
-                "world_size": _comm.world_size(), "dp_size": int(state.dp_size), "peft": bool(cfg.is_peft),
-                "seed": int(state.seed)})
+            layout = "per_rank" if cfg.save_extra_state_per_rank else "embedded"
+
+        def write_own_files():
+            if layout != "none":
+                shared = buckets.shared_extra_state(state)
+                if layout == "per_rank":
+                    per_rank = {**shared, "rng": rng.get_rng_state(self.device_type), "rank": _comm.rank(),
+                                "world_size": _comm.world_size(), "dp_rank": int(state.dp_rank),
+                                "dp_size": int(state.dp_size)}
+                    storage.atomic_save(per_rank, storage.extra_state_path(path, _comm.rank()))
+                else:
+                    payload[storage.EMBEDDED_EXTRA_KEY] = storage.bytes_to_tensor(storage.dumps(shared))
+            if _comm.rank() == 0:
+                storage.write_sentinel(path, {
+                    "global_step": step, "epoch": int(state.progress.epoch), "train_state": layout,
+                    "rng": "per_rank" if layout == "per_rank" else "not_saved",
+                    "models": len(models), "optimizers": len(optimizers),
+                    "schedulers": len(buckets.as_list(state.schedulers)) if layout != "none" else 0,
+                    "world_size": _comm.world_size(), "dp_size": int(state.dp_size),
+                    "peft": bool(cfg.is_peft), "seed": int(state.seed)})
+
+        _comm.run_on_every_rank(write_own_files, self.cpu_group)   # one rank failing stops all
 
         timings["extra_state"] = time.perf_counter() - start - sum(timings.values())
         if cfg.is_async and not final:
@@ -182,9 +186,8 @@ class Checkpointer:
             storage.dcp_save(payload, path, process_group=self.cpu_group)
             del payload
             _comm.barrier(self.cpu_group)
-            if _comm.rank() == 0:
-                self._after_complete(path, step)
-            _comm.barrier(self.cpu_group)
+            # rank 0 moves LATEST and prunes; the broadcast is the closing barrier (and shares errors)
+            _comm.decide_on_rank0(lambda: self._after_complete(path, step), self.cpu_group)
 
         timings["dcp"] = time.perf_counter() - start - sum(timings.values())
         if cfg.save_consolidated == "every":
@@ -236,7 +239,9 @@ class Checkpointer:
 
         clock.lap("apply")
         if cfg.restore_train_state:
-            self._restore_train_state(state, plan, payload, optimizer_restored=n_opt > 0)
+            _comm.run_on_every_rank(
+                lambda: self._restore_train_state(state, plan, payload, optimizer_restored=n_opt > 0),
+                self.cpu_group)
         clock.lap("train_state")
         self.policy.note_restored(int(state.progress.global_step), int(state.progress.epoch))
         self._last_saved_path = path if discovery.step_of(path) == int(state.progress.global_step) else None

@@ -16,6 +16,14 @@ from hyperacc.config import CheckpointConfig
 from hyperacc.progress import Progress
 
 
+class Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
 def build(mesh, extra_layer=False):
     torch.manual_seed(0)
     layers = [torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)] + ([torch.nn.Linear(4, 4)] if extra_layer else [])
@@ -60,6 +68,17 @@ def main():
     if rank == 0:
         os.rename(os.path.join(root, "moved.pt"),
                   os.path.join(root, "global_step_2", "extra_state", "extra_state_rank_1.pt"))
+    dist.barrier()
+    rank1_file = os.path.join(root, "global_step_2", "extra_state", "extra_state_rank_1.pt")
+    if rank == 0:             # a pickle payload in rank 1's file only: rank 1 refuses, rank 0 must not hang
+        os.rename(rank1_file, os.path.join(root, "moved.pt"))
+        torch.save({"progress": Evil(os.path.join(root, "pwned"))}, rank1_file)
+    dist.barrier()
+    attempt("unsafe_rank1_file", lambda: ckpt.load(build(mesh), "LATEST"))
+    results["pwned"] = os.path.exists(os.path.join(root, "pwned"))
+    dist.barrier()
+    if rank == 0:
+        os.replace(os.path.join(root, "moved.pt"), rank1_file)
     dist.barrier()
     fresh = build(mesh)
     attempt("load_ok", lambda: os.path.basename(ckpt.load(fresh, "LATEST")))
