@@ -183,10 +183,11 @@ class Checkpointer:
             self._pending = self._executor.submit(self._complete_async, upload, path, step)
             self._pending_path = path
         else:
+            # dcp.save returns on every rank only after the coordinator wrote .metadata (its last step
+            # is a collective): that is the opening barrier. Then rank 0 moves LATEST and prunes;
+            # the broadcast of its outcome is the closing barrier (and shares any error).
             storage.dcp_save(payload, path, process_group=self.cpu_group)
             del payload
-            _comm.barrier(self.cpu_group)
-            # rank 0 moves LATEST and prunes; the broadcast is the closing barrier (and shares errors)
             _comm.decide_on_rank0(lambda: self._after_complete(path, step), self.cpu_group)
 
         timings["dcp"] = time.perf_counter() - start - sum(timings.values())
