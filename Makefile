@@ -1,0 +1,23 @@
+# Every target sets up .venv itself on first use (torch pinned to the local CPU wheel 2.13.0;
+# on GPU/NPU machines install your own torch build first: setup.py only asks for torch>=2.6).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hyperacc-installed
+
+.PHONY: demo test bench
+
+$(STAMP): setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml examples/train_qwen.py
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: $(STAMP)
+	for b in overhead dataloader checkpoint data train; do $(PY) benchmarks/$$b.py || exit 1; done
