@@ -131,8 +131,12 @@ class Accelerator:
         return self.accumulator.step_loss
 
     def _cpu_group_or_none(self):
-        # On CPU the default (gloo) group is the CPU group; elsewhere a separate gloo group exists.
-        return self.runtime.cpu_group if self.runtime.device_type != "cpu" else dist.group.WORLD
+        """The gloo group for CPU-side collectives; None (= the default group) on CPU runs.
+
+        None rather than a handle on the default group: a held handle would keep the group and its
+        worker threads alive past `end_training()`, into interpreter shutdown.
+        """
+        return self.runtime.cpu_group
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *objects):

@@ -106,7 +106,7 @@ class GradientAccumulator:
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.dp_size > 1:
-            if self.group is None:   # device-backend group: communicate on the device
+            if self.group is None:   # the default group, whose backend talks to the device
                 moved = tensor.to(self.device)
                 dist.all_reduce(moved)
                 return moved.cpu()
