@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import importlib
 import os
+import time
 import warnings
 from typing import Mapping, Optional
 
@@ -134,9 +135,17 @@ def init_runtime(device_type: Optional[str] = None, timeout_s: int = 1800) -> Ru
 
 
 def shutdown(runtime: Runtime) -> None:
-    """Destroy the process group if hyperacc created it."""
+    """Destroy the process group if hyperacc created it.
+
+    A gloo worker thread releases a collective's tensors only after the caller saw it complete,
+    and needs the GIL to do so. If it is still waiting for the GIL when the interpreter shuts down
+    (FSDP keeps its groups alive until then), the process aborts with "terminate called without an
+    active exception". The barrier and the short sleep release the GIL so those threads finish now.
+    """
     if runtime.owns_process_group and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
+        time.sleep(0.05)
 
 
 def device_rng_state(device_type: str):
