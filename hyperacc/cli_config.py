@@ -395,11 +395,15 @@ def _field_default(field):
     return _MISSING
 
 
-def _is_component_type(tp) -> bool:
-    if tp is Component:
+def _is_type_or_optional(tp, cls) -> bool:
+    """``tp`` is ``cls`` itself or a union (e.g. Optional) that contains it."""
+    if tp is cls:
         return True
-    origin = typing.get_origin(tp)
-    return origin in _UNIONS and Component in typing.get_args(tp)
+    return typing.get_origin(tp) in _UNIONS and cls in typing.get_args(tp)
+
+
+def _is_component_type(tp) -> bool:
+    return _is_type_or_optional(tp, Component)
 
 
 def _build_component(data, default, key: str, source: str) -> Component:
@@ -569,10 +573,7 @@ def _type_at(schema_cls, path: List[str]):
 
 
 def _is_bool_type(tp) -> bool:
-    if tp is bool:
-        return True
-    origin = typing.get_origin(tp)
-    return origin in _UNIONS and bool in typing.get_args(tp)
+    return _is_type_or_optional(tp, bool)
 
 
 _BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}

@@ -222,3 +222,16 @@ def fsdp_version_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[i
 def config_summary(config: Any) -> dict:
     """A plain dict of a config's fields (for printing and saving)."""
     return dataclasses.asdict(config)
+
+
+_CLI_NAMES = ("ConfigError", "Component", "TrainConfig", "parse_config", "build_config", "load_config",
+              "dump_config", "save_config", "format_config")
+
+
+def __getattr__(name):
+    # The YAML + typed CLI layer lives in hyperacc.cli_config (it builds these dataclasses, so it
+    # imports this module); its public names are reachable from here too.
+    if name in _CLI_NAMES:
+        from hyperacc import cli_config
+        return getattr(cli_config, name)
+    raise AttributeError(f"module 'hyperacc.config' has no attribute {name!r}")

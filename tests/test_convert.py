@@ -19,16 +19,9 @@ TEXTS = [f"Line {i}: pack my box with {i * 3} dozen liquor jugs." for i in range
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("hyperacc_cache"))
-    old = os.environ.get("HYPERACC_CACHE")
-    os.environ["HYPERACC_CACHE"] = cache
+def cache(hyperacc_cache):
     dc.build_default_corpus()
-    yield cache
-    if old is None:
-        os.environ.pop("HYPERACC_CACHE", None)
-    else:
-        os.environ["HYPERACC_CACHE"] = old
+    return hyperacc_cache
 
 
 @pytest.fixture(scope="module")

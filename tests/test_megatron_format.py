@@ -8,8 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-from hyperacc.data.megatron import (IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, MAGIC,
-                                    optimal_dtype)
+from hyperacc.data.megatron import (IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, optimal_dtype)
 from hyperacc.data.packed import BlendedDataset, PackedDataset, TokenWindows, build_packed_dataset, holdout_cut
 
 

@@ -16,15 +16,8 @@ TEXTS = [f"Document {i}: the quick brown fox jumps over {i % 7} lazy dogs." for 
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("hyperacc_cache"))
-    old = os.environ.get("HYPERACC_CACHE")
-    os.environ["HYPERACC_CACHE"] = cache
-    yield dc.default_tokenizer_dir()
-    if old is None:
-        os.environ.pop("HYPERACC_CACHE", None)
-    else:
-        os.environ["HYPERACC_CACHE"] = old
+def tok_dir(hyperacc_cache):
+    return dc.default_tokenizer_dir()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """Launched by `accelerate launch`: prints what hyperacc picked up from the launcher (rank 0)."""
 import json
 
-import torch
 
 import hyperacc
 from hyperacc.models import build_causal_lm, qwen3_moe_config
