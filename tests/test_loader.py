@@ -388,17 +388,6 @@ def test_pad_collate():
             assert mb["input_ids"].shape[0] == 2 and mb["labels"].shape == mb["input_ids"].shape
 
 
-def test_docs_snippet_runs():
-    import pathlib
-    import re
-    doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "loader.md"
-    if not doc.exists():
-        pytest.skip("docs/loader.md merged elsewhere")
-    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
-    assert blocks
-    exec(compile(blocks[0], str(doc), "exec"), {"__name__": "loader_doc"})
-
-
 def test_getitems_and_dataset_fingerprint():
     class Batched(IndexDataset):
         fingerprint = "corpus-v1"

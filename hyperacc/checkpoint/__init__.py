@@ -1,4 +1,4 @@
-"""Six-bucket checkpointing on torch.distributed.checkpoint (see docs/checkpoint.md).
+"""Six-bucket checkpointing on torch.distributed.checkpoint (see README "Checkpoints").
 
 policy (when), storage (DCP and files), discovery (LATEST), buckets (what), rng, export (HF).
 """
