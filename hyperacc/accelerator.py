@@ -64,8 +64,9 @@ class Accelerator:
         if gradient_accumulation_steps is None:
             gradient_accumulation_steps = int(os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1))
         self.seed = DEFAULT_SEED if seed is None else int(seed)
-        # Validate the parallel sizes against the launcher's world before any collective runs.
-        self.parallel_config.resolved(int(os.environ.get("WORLD_SIZE", 1)))
+        # Validate the parallel sizes against the world before any collective runs.
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        self.parallel_config.resolved(world)
         self.runtime = runtime_lib.init_runtime(device_type)
         self._mesh = build_mesh(self.parallel_config, self.runtime.world_size, self.runtime.device_type)
         set_seed(self.seed)
