@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 
 def _records_explicit_fields(cls):
@@ -210,18 +210,6 @@ def from_environment(config, env: Optional[Mapping[str, str]] = None):
     if isinstance(config, FSDPConfig):
         config.__post_init__()
     return config
-
-
-def fsdp_version_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
-    """The FSDP version accelerate was configured with, or None outside an FSDP launch."""
-    env = os.environ if env is None else env
-    value = env.get("FSDP_VERSION")
-    return int(value) if value else None
-
-
-def config_summary(config: Any) -> dict:
-    """A plain dict of a config's fields (for printing and saving)."""
-    return dataclasses.asdict(config)
 
 
 _CLI_NAMES = ("ConfigError", "Component", "TrainConfig", "parse_config", "build_config", "load_config",

@@ -146,29 +146,3 @@ def shutdown(runtime: Runtime) -> None:
         dist.barrier()
         dist.destroy_process_group()
         time.sleep(0.05)
-
-
-def device_rng_state(device_type: str):
-    """The current device generator's state, or None on CPU."""
-    if device_type == "cuda":
-        return torch.cuda.get_rng_state()
-    if device_type == "npu":
-        return torch.npu.get_rng_state()
-    return None
-
-
-def set_device_rng_state(device_type: str, state) -> None:
-    if state is None:
-        return
-    if device_type == "cuda":
-        torch.cuda.set_rng_state(state)
-    elif device_type == "npu":
-        torch.npu.set_rng_state(state)
-
-
-def synchronize(device_type: str) -> None:
-    """Wait for the device queue (for honest timings)."""
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-    elif device_type == "npu":
-        torch.npu.synchronize()

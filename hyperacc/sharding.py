@@ -151,7 +151,3 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
         for key, tensor in module._buffers.items():
             if tensor is not None:
                 _copy_into(tensor, full._buffers[key])
-
-
-def fsdp_modules(model: nn.Module) -> List[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
