@@ -28,19 +28,13 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from hyperacc.runtime import collective_float_dtype, device_module
+
 __all__ = ["MetricsLogger", "StepTimer", "PeriodicCleanup", "device_memory_gib"]
 
 _GIB = float(1 << 30)
 # Order of the packed per-rank values.
 _FIELDS = ("step_time", "tokens", "samples", "mem_allocated", "mem_reserved", "mem_peak", "rss")
-
-
-def _device_module(device_type: str):
-    if device_type in ("cuda", "npu"):
-        module = getattr(torch, device_type, None)
-        if module is not None and hasattr(module, "is_available") and module.is_available():
-            return module
-    return None
 
 
 def _rss_bytes() -> Optional[int]:
@@ -58,7 +52,7 @@ def _rss_bytes() -> Optional[int]:
 
 def device_memory_gib(device_type: str = "cpu") -> Dict[str, float]:
     """This process's memory in GiB: allocator counters on cuda/npu, RSS on CPU ({} if unknown)."""
-    module = _device_module(device_type)
+    module = device_module(device_type)
     if module is not None:
         return {"memory_allocated_gib": module.memory_allocated() / _GIB,
                 "memory_reserved_gib": module.memory_reserved() / _GIB,
@@ -86,7 +80,7 @@ class StepTimer:
     """
 
     def __init__(self, device_type: str = "cpu", synchronize: bool = True):
-        self._module = _device_module(device_type) if synchronize else None
+        self._module = device_module(device_type) if synchronize else None
         self._start: Optional[float] = None
         self.elapsed = 0.0
 
@@ -130,7 +124,7 @@ class PeriodicCleanup:
             raise ValueError("gc_steps and empty_cache_steps must be >= 0 (0 = never)")
         self.gc_steps = gc_steps
         self.empty_cache_steps = empty_cache_steps
-        self._module = _device_module(device_type)
+        self._module = device_module(device_type)
         self._reenable_gc = False
         if disable_automatic_gc and gc_steps > 0 and gc.isenabled():
             gc.disable()
@@ -222,7 +216,7 @@ class MetricsLogger:
         backend = dist.get_backend(self.group)
         if backend == "gloo":
             return torch.device("cpu")
-        module = _device_module(self.device_type)
+        module = device_module(self.device_type)
         if module is not None:
             return torch.device(self.device_type, module.current_device())
         return torch.device("cpu")
@@ -234,8 +228,7 @@ class MetricsLogger:
         if world == 1:
             return local.unsqueeze(0)
         device = self._collective_device()
-        # HCCL lacks float64 collectives on some chips: float32 keeps counts exact below 2**24.
-        dtype = torch.float32 if dist.get_backend(self.group) == "hccl" else torch.float64
+        dtype = collective_float_dtype(dist.get_backend(self.group))
         local = local.to(device=device, dtype=dtype)
         gathered = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(gathered, local, group=self.group)

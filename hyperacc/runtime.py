@@ -49,12 +49,28 @@ def _npu_available() -> bool:
     return hasattr(torch, "npu") and torch.npu.is_available() and torch.npu.device_count() > 0
 
 
+def device_module(device_type: str):
+    """``torch.cuda`` / ``torch.npu`` when that accelerator is usable, else None (CPU).
+
+    The one place that maps a device type to its torch module; metrics, RNG capture and device
+    setup all go through it.
+    """
+    if device_type in ("cuda", "npu"):
+        module = getattr(torch, device_type, None)
+        if module is not None and module.is_available():
+            return module
+    return None
+
+
+def collective_float_dtype(backend: str) -> torch.dtype:
+    """float64 for small reductions of counts and losses, float32 on HCCL (no float64 there on
+    some chips; counts stay exact below 2**24)."""
+    return torch.float32 if backend == "hccl" else torch.float64
+
+
 def _device_count(device_type: str) -> int:
-    if device_type == "cuda":
-        return torch.cuda.device_count()
-    if device_type == "npu":
-        return torch.npu.device_count()
-    return 1
+    module = device_module(device_type)
+    return module.device_count() if module is not None else 1
 
 
 def detect_device_type(requested: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> str:
@@ -94,10 +110,9 @@ def detect_launcher(env: Optional[Mapping[str, str]] = None) -> str:
 
 
 def _set_local_device(device_type: str, local_rank: int) -> None:
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    elif device_type == "npu":
-        torch.npu.set_device(local_rank % torch.npu.device_count())
+    module = device_module(device_type)
+    if module is not None:
+        module.set_device(local_rank % module.device_count())
 
 
 def init_runtime(device_type: Optional[str] = None, timeout_s: int = 1800) -> Runtime:

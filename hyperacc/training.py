@@ -17,6 +17,7 @@ from typing import List, Optional
 import torch
 
 from hyperacc.accumulation import count_label_tokens
+from hyperacc.runtime import collective_float_dtype
 
 __all__ = ["param_groups", "lr_lambda_scheduler", "evaluate", "eval_batch_indices", "StepChecks",
            "NonFiniteError", "DisagreementError", "test_hook_nan", "TEST_NAN_ENV", "TEST_NAN_RANK_ENV"]
@@ -91,8 +92,7 @@ def evaluate(acc, model, dataset, *, batches: int, batch_size: int, collate_fn=N
             tokens += n
     finally:
         model.train(was_training)
-    # float64 on CPU (gloo); float32 on devices whose collectives lack float64 (HCCL).
-    dtype = torch.float64 if acc.device.type == "cpu" else torch.float32
+    dtype = collective_float_dtype(acc.runtime.backend)
     local = torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64)])
     totals = acc.reduce(local.to(acc.device, dtype)).cpu()
     total_loss, total_tokens = float(totals[0]), float(totals[1])
@@ -143,7 +143,7 @@ class StepChecks:
         norm = float(grad_norm.detach() if torch.is_tensor(grad_norm) else grad_norm)
         local = torch.tensor([float(self._bad_micro_batch), float(step_loss), norm], dtype=torch.float64)
         self._bad_micro_batch, bad_value = -1, self._bad_value
-        dtype = torch.float64 if self.acc.device.type == "cpu" else torch.float32
+        dtype = collective_float_dtype(self.acc.runtime.backend)
         table = self.acc.gather(local.to(self.acc.device, dtype)).reshape(-1, 3).cpu().double()
         bad = [(rank, int(row[0])) for rank, row in enumerate(table) if row[0] >= 0]
         if bad:

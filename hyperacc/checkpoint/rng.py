@@ -13,13 +13,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-
-def _device_module(device_type: str):
-    if device_type in ("cuda", "npu"):
-        module = getattr(torch, device_type, None)
-        if module is not None and module.is_available():
-            return module
-    return None
+from hyperacc.runtime import device_module
 
 
 def get_rng_state(device_type: str) -> dict:
@@ -32,7 +26,7 @@ def get_rng_state(device_type: str) -> dict:
                   "cached_gaussian": float(np_state[4])},
         "device_type": device_type,
     }
-    module = _device_module(device_type)
+    module = device_module(device_type)
     if module is not None:
         state["device"] = module.get_rng_state()
     return state
@@ -45,7 +39,7 @@ def set_rng_state(state: dict, device_type: str) -> None:
     npy = state["numpy"]
     np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
                          npy["has_gauss"], npy["cached_gaussian"]))
-    module = _device_module(device_type)
+    module = device_module(device_type)
     if module is not None and "device" in state and state.get("device_type") == device_type:
         module.set_rng_state(state["device"])
 
@@ -61,7 +55,7 @@ def rederive_rng(seed: int, step: int, rank: int, device_type: str) -> int:
     torch.manual_seed(value)
     random.seed(value)
     np.random.seed(value % 2**32)
-    module = _device_module(device_type)
+    module = device_module(device_type)
     if module is not None:
         module.manual_seed(value)
     return value
