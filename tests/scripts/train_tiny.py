@@ -1,9 +1,10 @@
-"""Train a tiny Qwen3-MoE with hyperacc for a few steps and dump what tests compare (JSON).
+"""Train the tiny Qwen3-MoE with hyperacc through the DESIGN.md loop and dump what tests compare.
 
-Data: sample i is a deterministic random token sequence (its own generator), so the samples of a
-global step do not depend on the world size. Each DP rank takes its contiguous slice of the step.
+Data: sample i is a deterministic random token sequence from its own generator, read through
+MicroBatchDataLoader (global order independent of the world size) and `accumulate(model, batch)`.
 Usage: train_tiny.py OUT.json [--steps N] [--gbs G] [--mbs M] [--recompute] [--replicate R]
-       [--pad] [--meta] [--optimizer-before] [--lr 1e-3]
+       [--pad] [--meta] [--repeat] [--reduce-every] [--lr 1e-3] [--clip 1.0]
+       [--grads GRADS.pt]   (the full gradients of step 1, before the optimizer step)
 """
 import argparse
 import json
@@ -11,34 +12,31 @@ import json
 import torch
 
 import hyperacc
+from hyperacc.data.collate import pad_collate
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 
-SEQ = 32
-VOCAB = 512
+SEQ, VOCAB, DATASET_SIZE = 32, 512, 160
 
 
-def sample(index: int, pad: bool) -> dict:
-    gen = torch.Generator().manual_seed(1000 + index)
-    ids = torch.randint(0, VOCAB, (SEQ,), generator=gen)
-    labels = ids.clone()
-    mask = torch.ones(SEQ, dtype=torch.long)
-    if pad:  # a different number of valid tokens per sample
-        valid = 4 + (index * 7) % (SEQ - 4)
-        labels[valid:] = -100
-        mask[valid:] = 0
-        ids[valid:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+class TokenDataset(torch.utils.data.Dataset):
+    """Sample i: deterministic random tokens. ``pad``: a per-sample number of valid tokens.
+    ``repeat``: only the first ``repeat`` samples exist, cycled (every step sees the same ones)."""
+
+    def __init__(self, size: int, pad: bool, repeat: int = 0):
+        self.size, self.pad, self.repeat = size, pad, repeat
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        index = index % self.repeat if self.repeat else index
+        gen = torch.Generator().manual_seed(1000 + index)
+        length = 4 + (index * 7) % (SEQ - 4) if self.pad else SEQ
+        ids = torch.randint(0, VOCAB, (length,), generator=gen)
+        return {"input_ids": ids, "labels": ids.clone()}
 
 
-def step_batch(step, gbs, mbs, dp_rank, dp_size, pad):
-    per_rank = gbs // dp_size
-    start = step * gbs + dp_rank * per_rank
-    samples = [sample(i, pad) for i in range(start, start + per_rank)]
-    return [{k: torch.stack([s[k] for s in samples[j:j + mbs]]) for k in samples[0]}
-            for j in range(0, per_rank, mbs)]
-
-
-def main():
+def parse_args():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=10)
@@ -48,43 +46,62 @@ def main():
     parser.add_argument("--replicate", type=int, default=1)
     parser.add_argument("--pad", action="store_true")
     parser.add_argument("--meta", action="store_true")
+    parser.add_argument("--repeat", action="store_true", help="every step trains on the same gbs samples")
+    parser.add_argument("--reduce-every", action="store_true")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--repeat", action="store_true", help="train on step 0's batch every step")
-    args = parser.parse_args()
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--grads")
+    return parser.parse_args()
 
+
+def checksum(model) -> float:
+    return sum(float(p.detach().full_tensor().double().sum()) for p in model.parameters())
+
+
+def main():
+    args = parse_args()
     acc = hyperacc.Accelerator(
         parallel=hyperacc.ParallelConfig(dp_replicate_size=args.replicate),
-        fsdp=hyperacc.FSDPConfig(activation_checkpointing=args.recompute),
+        fsdp=hyperacc.FSDPConfig(activation_checkpointing=args.recompute,
+                                 reduce_every_micro_batch=args.reduce_every),
         checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=7)
     model = build_causal_lm(qwen3_moe_config(), meta_device=args.meta, seed=7)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
-    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    loader = hyperacc.MicroBatchDataLoader(
+        TokenDataset(DATASET_SIZE, args.pad, args.gbs if args.repeat else 0),
+        global_batch_size=args.gbs, micro_batch_size=args.mbs, collate_fn=pad_collate, seed=3)
+    model, optimizer, scheduler, loader = acc.prepare(model, optimizer, scheduler, loader)
 
     first = model.model.embed_tokens.weight
     record = {
         "world": acc.num_processes, "dp_size": acc.dp_size, "dp_rank": acc.dp_rank,
+        "micro_batches": loader.micro_batches_per_step,
         "param_is_dtensor": all(type(p).__name__ == "DTensor" for p in model.parameters()),
         "placements": str(first.placements), "mesh_dims": list(acc.mesh.mesh_dim_names),
         "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
         "total_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "losses": [], "grad_norms": [], "lrs": [],
+        "init_checksum": checksum(model), "losses": [], "grad_norms": [], "lrs": [],
     }
-    record["init_checksum"] = sum(float(p.detach().full_tensor().double().sum()) for p in model.parameters())
-    for step in range(args.steps):
-        batch = step_batch(0 if args.repeat else step, args.gbs, args.mbs, acc.dp_rank, acc.dp_size, args.pad)
-        with acc.accumulate(model, batch) as micro_batches:
-            for mb in micro_batches:
-                acc.backward(model(**mb).loss)
-        record["grad_norms"].append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        record["losses"].append(acc.step_loss)
-        record["lrs"].append(scheduler.get_last_lr()[0])
-    record["optimizer_steps"] = acc.progress.global_step
-    record["scheduler_steps"] = scheduler.scheduler.last_epoch
-    record["final_checksum"] = sum(float(p.detach().full_tensor().double().sum()) for p in model.parameters())
+    while acc.progress.global_step < args.steps:
+        for batch in loader:
+            with acc.accumulate(model, batch) as micro_batches:
+                for mb in micro_batches:
+                    acc.backward(model(**mb).loss)
+            if args.grads and acc.progress.global_step == 0:
+                grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+                if acc.is_main_process:
+                    torch.save(grads, args.grads)
+            record["grad_norms"].append(float(acc.clip_grad_norm_(model.parameters(), args.clip)))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            record["losses"].append(acc.step_loss)
+            record["lrs"].append(scheduler.get_last_lr()[0])
+            if acc.progress.global_step == args.steps:
+                break
+    record.update(optimizer_steps=acc.progress.global_step, scheduler_steps=scheduler.scheduler.last_epoch,
+                  tokens=acc.progress.consumed_tokens, final_checksum=checksum(model))
     if acc.is_main_process:
         with open(args.out, "w") as handle:
             json.dump(record, handle)
