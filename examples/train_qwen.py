@@ -19,7 +19,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hyperacc.cli_config import ConfigError, TrainConfig, format_config, parse_config, save_config  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3_moe_tiny.yaml")
-TEST_STOP_ENV = "HYPERACC_TEST_STOP_AT_STEP"   # TEST HOOK: leave the loop after this step (a preemption)
 
 
 def load_config(argv):
@@ -146,7 +145,7 @@ def train(cfg):
     if model.config.vocab_size < len(tokenizer):
         raise ConfigError(f"model vocab_size={model.config.vocab_size} < tokenizer size {len(tokenizer)}.")
     optimizer = cfg.optimizer.build(param_groups(model, cfg.optimizer.get("weight_decay", 0.0)))
-    scheduler = lr_lambda_scheduler(optimizer, cfg.lr_scheduler, t.max_steps)
+    scheduler = lr_lambda_scheduler(optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.max_steps)
     loader = hyperacc.MicroBatchDataLoader(train_ds, global_batch_size=t.global_batch_size,
                                            micro_batch_size=t.micro_batch_size, shuffle=cfg.data.shuffle,
                                            seed=t.seed)
@@ -168,7 +167,6 @@ def train(cfg):
     checks = StepChecks(acc, enabled=validate)
     max_norm = t.gradient_clipping or float("inf")
     eval_bs = cfg.eval.eval_batch_size or t.micro_batch_size
-    stop_at = int(os.environ.get(TEST_STOP_ENV, 0)) or t.max_steps
 
     def run_eval(step):
         result = evaluate(acc, model, eval_ds, batches=cfg.eval.eval_batches, batch_size=eval_bs)
@@ -177,7 +175,7 @@ def train(cfg):
     # The loop: one loader item = the micro-batches of one optimizer step.
     step = acc.progress.global_step
     acc.wait_for_everyone()                    # step 1's time must not include another rank's start-up
-    while step < stop_at and loader.epoch < t.epochs:
+    while step < t.max_steps and loader.epoch < t.epochs:
         epoch = loader.epoch
         for batch in loader:
             timer.start()
@@ -203,14 +201,13 @@ def train(cfg):
             if eval_ds is not None and step % cfg.eval.eval_steps == 0:
                 run_eval(step)
             acc.step_end()                     # saves per checkpoint.save_steps / save_epochs
-            if step >= stop_at:
+            if step >= t.max_steps:
                 break
 
-    if step < stop_at:
+    if step < t.max_steps:
         acc.print(f"the data ran out after training.epochs={t.epochs} epoch(s) of {len(loader)} steps: "
                   f"stopped at step {step} < training.max_steps={t.max_steps}")
-    finished = step == t.max_steps or step < stop_at      # not when stopped by the test hook
-    if eval_ds is not None and finished and step % cfg.eval.eval_steps != 0:
+    if eval_ds is not None and step % cfg.eval.eval_steps != 0:
         run_eval(step)                         # the final evaluation
     metrics.close()
     cleanup.close()

@@ -844,15 +844,23 @@ def default_optimizer() -> Component:
 @dataclasses.dataclass
 class LRSchedulerConfig:
     """Linear warm-up for ``warmup_steps``, then ``decay`` from the optimizer's lr down to
-    ``min_lr_ratio * lr`` at ``training.max_steps``."""
+    ``min_lr_ratio * lr`` at ``total_steps`` (None: ``training.max_steps``).
+
+    A separate ``total_steps`` lets a job stop early (``training.max_steps`` smaller) and resume
+    later on the very same schedule.
+    """
 
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
     decay: Literal["cosine", "linear", "constant"] = "cosine"
+    total_steps: Optional[int] = None
 
     def validate(self):
         if self.warmup_steps < 0:
             raise ConfigError(f"lr_scheduler.warmup_steps={self.warmup_steps} must be >= 0.")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ConfigError(f"lr_scheduler.total_steps={self.total_steps} must be >= 1 (or null: "
+                              "training.max_steps).")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"lr_scheduler.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]. "
                               "Fix: --lr_scheduler.min_lr_ratio=0.1")

@@ -42,11 +42,12 @@ def baseline(tmp_path_factory):
 @pytest.fixture(scope="module")
 def resume(tmp_path_factory):
     out = tmp_path_factory.mktemp("resume")
-    common = [f"--logging.metrics_file={out / 'metrics.jsonl'}", f"--training.max_steps={STEPS}",
+    common = [f"--logging.metrics_file={out / 'metrics.jsonl'}", f"--lr_scheduler.total_steps={STEPS}",
               "--checkpoint.save_ckpt=true", f"--checkpoint.checkpoint_dir={out / 'ckpt'}",
               f"--checkpoint.save_steps={STOP}"]
-    first = _launch(common + ["--training.mode=validate"], env={"HYPERACC_TEST_STOP_AT_STEP": str(STOP)})
-    second = _launch(common + ["--checkpoint.restore_from=LATEST"])
+    # The first job stops at STOP on the schedule of the whole run, as a preempted job would.
+    first = _launch(common + [f"--training.max_steps={STOP}", "--training.mode=validate"])
+    second = _launch(common + [f"--training.max_steps={STEPS}", "--checkpoint.restore_from=LATEST"])
     return out, first, second, _records(out / "metrics.jsonl")
 
 
