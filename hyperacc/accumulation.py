@@ -81,15 +81,16 @@ class GradientAccumulator:
     @contextlib.contextmanager
     def step(self, models, batch) -> Iterator["_MicroBatches"]:
         _validate_step_batch(batch)
-        local = torch.tensor([sum(count_label_tokens(mb["labels"]) for mb in batch),
-                              sum(int(mb["labels"].shape[0]) for mb in batch)], dtype=torch.float64)
+        tokens = [count_label_tokens(mb["labels"]) for mb in batch]   # counted once, on the host
+        local = torch.tensor([sum(tokens), sum(int(mb["labels"].shape[0]) for mb in batch)],
+                             dtype=torch.float64)
         totals = self._all_reduce(local)
         self.step_tokens, self.step_samples = int(totals[0]), int(totals[1])
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.in_step = True
         self.sync_gradients = False
         try:
-            yield _MicroBatches(self, models, batch)
+            yield _MicroBatches(self, models, batch, tokens)
         finally:
             self.in_step = False
             self.sync_gradients = True
@@ -97,8 +98,8 @@ class GradientAccumulator:
         loss_sum = self._all_reduce(self._loss_sum.detach().reshape(1).cpu())
         self.step_loss = float(loss_sum[0]) / self.step_tokens if self.step_tokens else 0.0
 
-    def _enter_micro_batch(self, models, micro_batch: Mapping, is_last: bool) -> None:
-        self._micro_tokens = count_label_tokens(micro_batch["labels"])
+    def _enter_micro_batch(self, models, tokens: int, is_last: bool) -> None:
+        self._micro_tokens = tokens
         every = self.fsdp.reduce_every_micro_batch
         _set_sync(models, reduce_now=is_last or every, all_reduce_now=is_last,
                   reshard_now=is_last or self.fsdp.reshard_after_forward)
@@ -145,8 +146,8 @@ class GradientAccumulator:
 class _MicroBatches:
     """Iterates a step's micro-batches: moves each to the device and sets FSDP's sync flags."""
 
-    def __init__(self, owner: GradientAccumulator, models, batch: List[Mapping]):
-        self._owner, self._models, self._batch = owner, models, batch
+    def __init__(self, owner: GradientAccumulator, models, batch: List[Mapping], tokens: List[int]):
+        self._owner, self._models, self._batch, self._tokens = owner, models, batch, tokens
 
     def __len__(self) -> int:
         return len(self._batch)
@@ -154,5 +155,5 @@ class _MicroBatches:
     def __iter__(self):
         last = len(self._batch) - 1
         for index, micro_batch in enumerate(self._batch):
-            self._owner._enter_micro_batch(self._models, micro_batch, index == last)
+            self._owner._enter_micro_batch(self._models, self._tokens[index], index == last)
             yield _to_device(micro_batch, self._owner.device)
