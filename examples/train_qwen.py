@@ -72,12 +72,8 @@ def build_model(cfg, vocab_size=None):
         model = load_pretrained(path, dtype=getattr(torch, cfg.model.dtype))
         model.config.use_cache = False
         return model
-    config = model_config(cfg, vocab_size)
-    if cfg.model.attn_implementation in (None, "eager"):
-        return build_causal_lm(config, meta_device=True)
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation=cfg.model.attn_implementation)
+    return build_causal_lm(model_config(cfg, vocab_size), meta_device=True,
+                           attn_implementation=cfg.model.attn_implementation or "eager")
 
 
 def dry_run(cfg, world_size):

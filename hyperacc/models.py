@@ -25,10 +25,12 @@ def qwen3_moe_config(**overrides):
     return Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **overrides})
 
 
-def build_causal_lm(config, *, meta_device: bool = False, seed: Optional[int] = None):
+def build_causal_lm(config, *, meta_device: bool = False, seed: Optional[int] = None,
+                    attn_implementation: str = "eager"):
     """Instantiate a causal LM from a transformers config with random weights.
 
     ``meta_device=True`` allocates nothing: the model is initialised later, after sharding.
+    ``attn_implementation``: "eager" (default: bitwise reproducible everywhere), "sdpa", ...
     """
     from transformers import AutoModelForCausalLM
 
@@ -36,7 +38,7 @@ def build_causal_lm(config, *, meta_device: bool = False, seed: Optional[int] = 
         torch.manual_seed(seed)
     context = torch.device("meta") if meta_device else contextlib.nullcontext()
     with context:
-        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
 
 
 def has_pretrained_weights(path: str) -> bool:
