@@ -96,32 +96,94 @@ def dry_run(cfg, world_size):
     print(format_plan(plan))
 
 
+def preflight(cfg, world_size):
+    """Every check that needs neither a process group nor a model, made on every rank before
+    either exists: each rank raises the same ConfigError, printed as one line by main().
+
+    Returns the tokenizer (train() sizes the model with it).
+    """
+    from hyperacc.data.text import load_tokenizer
+    from hyperacc.training import check_dataset_path, check_model_config, check_optimizer, check_output_path
+
+    log, ck = cfg.logging, cfg.checkpoint
+    check_output_path(log.metrics_file, "--logging.metrics_file", directory=False)
+    check_output_path(log.tensorboard_dir, "--logging.tensorboard_dir", directory=True)
+    if ck.save_ckpt:
+        check_output_path(ck.checkpoint_dir, "--checkpoint.checkpoint_dir", directory=True)
+    check_dataset_path(cfg.data.dataset)
+    check_optimizer(cfg.optimizer)
+    _check_parallel(cfg, world_size)
+    try:
+        tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.name_or_path)
+    except ValueError as err:
+        raise ConfigError(f"data.tokenizer: {err}") from None
+    try:
+        config = model_config(cfg, vocab_size=len(tokenizer))
+    except (OSError, ValueError, TypeError) as err:
+        raise ConfigError(f"model: {' '.join(str(err).split())}") from None
+    check_model_config(config, tokenizer_size=len(tokenizer))
+    return tokenizer
+
+
+def _check_parallel(cfg, world_size):
+    """The parallel sizes (YAML/CLI, else the launch environment) against the world size."""
+    import copy
+
+    from hyperacc import config as hconfig
+    try:
+        parallel = copy.deepcopy(cfg.parallel)
+        fill = getattr(hconfig, "from_environment", None)
+        if fill is not None:
+            parallel = fill(parallel)
+        resolved = parallel.resolved(world_size) if hasattr(parallel, "resolved") else parallel
+        from hyperacc.mesh import check_supported
+        check_supported(resolved)
+    except (ValueError, NotImplementedError) as err:
+        raise ConfigError(f"parallel sizes for {world_size} process(es): {err}") from None
+
+
 def _tokenizer(cfg):
     from hyperacc.data.text import load_tokenizer
     return len(load_tokenizer(cfg.data.tokenizer or cfg.model.name_or_path))
 
 
-def build_data(cfg, acc):
-    """(train dataset, held-out dataset or None, tokenizer) via hyperacc.data.text."""
+def build_data(cfg, acc, tokenizer):
+    """(train dataset, held-out dataset or None) via hyperacc.data.text.
+
+    Rank 0 tokenizes and fills the cache first, then the others read it. A failure on any rank
+    (a hub dataset not in the cache, an unreadable file ...) is every rank's ConfigError.
+    """
     from hyperacc.data.text import build_train_dataset
+    from hyperacc.training import raise_if_any_rank_failed
 
     d = cfg.data
-    tokenizer_id = d.tokenizer or cfg.model.name_or_path
     common = dict(seq_len=d.seq_len, name=d.name, text_column=d.text_column, num_proc=d.num_proc)
-    with acc.main_process_first():           # rank 0 tokenizes and caches, the others read the cache
-        train_ds, tokenizer = build_train_dataset(d.dataset, tokenizer_id, split=d.split, **common)
+
+    def build():
+        train_ds, _ = build_train_dataset(d.dataset, tokenizer, split=d.split, **common)
         eval_ds = None
         if cfg.eval.eval_steps:
-            eval_ds, _ = build_train_dataset(d.dataset, tokenizer_id, split=d.eval_split or "validation", **common)
-    return train_ds, eval_ds, tokenizer
+            eval_ds, _ = build_train_dataset(d.dataset, tokenizer, split=d.eval_split or "validation", **common)
+        return train_ds, eval_ds
+
+    result = None
+    for turn in ("first", "rest"):           # rank 0's turn, then everyone else's
+        error = None
+        if acc.is_main_process == (turn == "first"):
+            try:
+                result = build()
+            except Exception as err:  # noqa: BLE001 - agreed below, re-raised on every rank
+                error = err
+        raise_if_any_rank_failed(error, group=acc.runtime.cpu_group, what="building the data")
+    return result
 
 
-def train(cfg):
+def train(cfg, tokenizer):
     import torch
 
     import hyperacc
     from hyperacc.metrics import MetricsLogger, PeriodicCleanup, StepTimer
-    from hyperacc.training import StepChecks, evaluate, lr_lambda_scheduler, param_groups, test_hook_nan
+    from hyperacc.training import StepChecks, check_token_ids, evaluate, lr_lambda_scheduler, param_groups
 
     t = cfg.training
     validate = t.mode == "validate"
@@ -136,10 +198,9 @@ def train(cfg):
         save_config(cfg, os.path.join(acc.checkpoint_config.checkpoint_dir, "config.yaml"))
 
     # Data, model, optimizer, schedule.
-    train_ds, eval_ds, tokenizer = build_data(cfg, acc)
+    train_ds, eval_ds = build_data(cfg, acc, tokenizer)
     model = build_model(cfg, vocab_size=len(tokenizer))
-    if model.config.vocab_size < len(tokenizer):
-        raise ConfigError(f"model vocab_size={model.config.vocab_size} < tokenizer size {len(tokenizer)}.")
+    vocab_size = model.config.vocab_size
     optimizer = cfg.optimizer.build(param_groups(model, cfg.optimizer.get("weight_decay", 0.0)))
     scheduler = lr_lambda_scheduler(optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.max_steps)
     loader = hyperacc.MicroBatchDataLoader(train_ds, global_batch_size=t.global_batch_size,
@@ -160,7 +221,7 @@ def train(cfg):
                             consumed_samples=acc.progress.consumed_samples)
     cleanup = PeriodicCleanup(t.gc_steps, t.empty_cache_steps, acc.runtime.device_type)
     timer = StepTimer(acc.runtime.device_type)
-    checks = StepChecks(acc, enabled=validate)
+    checks = StepChecks(acc, validate=validate)   # non-finite steps stop the job in both modes
     max_norm = t.gradient_clipping or float("inf")
     eval_bs = cfg.eval.eval_batch_size or t.micro_batch_size
 
@@ -175,14 +236,14 @@ def train(cfg):
         epoch = loader.epoch
         for batch in loader:
             timer.start()
+            check_token_ids(batch, vocab_size, step + 1, group=acc.runtime.cpu_group)  # host batch, pre-forward
             with acc.accumulate(model, batch) as micro_batches:
                 for i, mb in enumerate(micro_batches):
                     loss = model(**mb).loss
-                    loss = test_hook_nan(loss, step + 1, acc.process_index, i)   # no-op unless testing
                     checks.watch_loss(loss, i)
                     acc.backward(loss)
             grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
-            checks.check(step + 1, acc.step_loss, grad_norm)      # validate mode only
+            checks.check(step + 1, acc.step_loss, grad_norm)      # NaN/Inf: stop before the update
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
@@ -210,16 +271,34 @@ def train(cfg):
     acc.end_training()                         # final save per the policy, process group down
 
 
+def _exit_with(prefix, err, code):
+    """Print one line on every rank (the same on each: every check above is made on every rank or
+    agreed between the ranks) and leave; HYPERACC_DEBUG=1 shows the traceback instead."""
+    if os.environ.get("HYPERACC_DEBUG") == "1":
+        raise err
+    print(f"{prefix}: {err}", file=sys.stderr, flush=True)
+    try:
+        import torch.distributed as dist
+        if dist.is_initialized():            # every rank raised the same error at the same point
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - leaving anyway
+        pass
+    sys.exit(code)
+
+
 def main(argv=None):
+    from hyperacc.training import NonFiniteError, TokenIdError
+
     try:
         cfg, world = load_config(sys.argv[1:] if argv is None else argv)
         if cfg.training.dry_run:
             return dry_run(cfg, world)
-        return train(cfg)
+        tokenizer = preflight(cfg, world)
+        return train(cfg, tokenizer)
     except ConfigError as err:
-        if os.environ.get("RANK", "0") == "0":   # one message, not one per process
-            print(f"config error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _exit_with("config error", err, 2)
+    except (NonFiniteError, TokenIdError) as err:
+        _exit_with("error", err, 3)
 
 
 if __name__ == "__main__":

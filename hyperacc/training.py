@@ -3,8 +3,12 @@
 * :func:`param_groups` - AdamW groups without weight decay on norms, biases (and other 1-D tensors);
 * :func:`lr_lambda_scheduler` - warm-up + cosine/linear/constant decay as a ``LambdaLR``;
 * :func:`evaluate` - mean token loss and perplexity over a fixed number of held-out batches;
-* :class:`StepChecks` - ``training.mode=validate``: NaN/Inf and cross-rank agreement checks;
-* :func:`test_hook_nan` - TEST HOOK ONLY: plant a NaN loss to exercise the checks.
+* :class:`StepChecks` - non-finite loss / gradient norm stops the job (both modes) and, in
+  ``training.mode=validate``, cross-rank agreement checks;
+* fail-closed checks made before the process group or the model exist (:func:`check_output_path`,
+  :func:`check_dataset_path`, :func:`check_optimizer`, :func:`check_model_config`) and after it
+  (:func:`raise_if_any_rank_failed`, :func:`check_token_ids`): every rank raises the same
+  one-line :class:`~hyperacc.cli_config.ConfigError`.
 
 Nothing here owns a process group: collectives go through the Accelerator that is passed in.
 """
@@ -20,7 +24,8 @@ from hyperacc.accumulation import count_label_tokens
 from hyperacc.runtime import collective_float_dtype
 
 __all__ = ["param_groups", "lr_lambda_scheduler", "evaluate", "eval_batch_indices", "StepChecks",
-           "NonFiniteError", "DisagreementError", "test_hook_nan", "TEST_NAN_ENV", "TEST_NAN_RANK_ENV"]
+           "NonFiniteError", "DisagreementError", "check_output_path", "check_dataset_path", "check_optimizer",
+           "check_model_config", "check_token_ids", "raise_if_any_rank_failed", "TokenIdError"]
 
 
 # ---------------------------------------------------------------------------------- optimizer
@@ -104,9 +109,9 @@ def evaluate(acc, model, dataset, *, batches: int, batch_size: int, collate_fn=N
     return {"loss": mean, "ppl": ppl, "tokens": int(total_tokens)}
 
 
-# ---------------------------------------------------------------------------------- validate mode
+# ---------------------------------------------------------------------------------- non-finite steps
 class NonFiniteError(FloatingPointError):
-    """A loss or gradient norm became NaN/Inf (validate mode)."""
+    """A loss or gradient norm became NaN/Inf: the step is not applied and nothing is saved."""
 
 
 class DisagreementError(RuntimeError):
@@ -114,51 +119,63 @@ class DisagreementError(RuntimeError):
 
 
 class StepChecks:
-    """``training.mode=validate``: per-step NaN/Inf checks and cross-rank agreement.
+    """Non-finite steps stop the job, in both modes; ``validate`` adds cross-rank agreement.
 
     Usage per step: ``watch_loss(loss, micro_batch_index)`` for every micro-batch (local, no
-    collective), then ``check(step, step_loss, grad_norm)`` once, after the gradient norm: ONE
-    all_gather of (first bad micro-batch, step loss, grad norm) from every rank. Every rank
-    raises the same error, so the job stops cleanly instead of hanging in a collective.
-    ``enabled=False`` (production) makes both calls no-ops.
+    collective, no device sync), then ``check(step, step_loss, grad_norm)`` once, after the gradient
+    norm and BEFORE ``optimizer.step()`` and any save.
+
+    * production: the step loss and the gradient norm are global (reduced over the ranks), so every
+      rank takes the same decision without a collective; only when one of them is NaN/Inf do the
+      ranks exchange which of them saw a non-finite micro-batch loss (one all_gather) and all raise
+      the same :class:`NonFiniteError` naming the step and the rank(s). The optimizer never steps
+      on that gradient and the step is never saved, so LATEST stays at the last finite checkpoint.
+    * validate: the same exchange every step, plus a check that the step loss and the gradient
+      norm are bit-identical on every rank (:class:`DisagreementError`).
     """
 
-    def __init__(self, acc, enabled: bool, rtol: float = 0.0):
+    def __init__(self, acc, validate: bool, rtol: float = 0.0):
         self.acc = acc
-        self.enabled = enabled
+        self.validate = validate
         self.rtol = rtol
-        self._bad_micro_batch = -1
-        self._bad_value = 0.0
+        self._losses: List[torch.Tensor] = []
 
     def watch_loss(self, loss: torch.Tensor, micro_batch: int) -> None:
-        if not self.enabled or self._bad_micro_batch >= 0:
-            return
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            self._bad_micro_batch, self._bad_value = micro_batch, value
+        del micro_batch  # the position in the list is the micro-batch index
+        self._losses.append(loss.detach().reshape(()))
+
+    def _first_bad(self):
+        """(index, value) of this rank's first non-finite micro-batch loss, or (-1, 0.0)."""
+        for index, loss in enumerate(self._losses):
+            value = float(loss)
+            if not math.isfinite(value):
+                return index, value
+        return -1, 0.0
 
     def check(self, step: int, step_loss: Optional[float], grad_norm) -> None:
-        if not self.enabled:
-            return
         norm = float(grad_norm.detach() if torch.is_tensor(grad_norm) else grad_norm)
-        local = torch.tensor([float(self._bad_micro_batch), float(step_loss), norm], dtype=torch.float64)
-        self._bad_micro_batch, bad_value = -1, self._bad_value
+        loss = float("nan") if step_loss is None else float(step_loss)
+        if not self.validate and math.isfinite(norm) and math.isfinite(loss):
+            self._losses.clear()
+            return
+        bad_index, bad_value = self._first_bad()
+        self._losses.clear()
+        local = torch.tensor([float(bad_index), bad_value, loss, norm], dtype=torch.float64)
         dtype = collective_float_dtype(self.acc.runtime.backend)
-        table = self.acc.gather(local.to(self.acc.device, dtype)).reshape(-1, 3).cpu().double()
-        bad = [(rank, int(row[0])) for rank, row in enumerate(table) if row[0] >= 0]
+        table = self.acc.gather(local.to(self.acc.device, dtype)).reshape(-1, 4).cpu().double()
+        what = (" Nothing of this step was applied or saved (LATEST is the last finite checkpoint). Fix: "
+                "lower optimizer.lr or enable training.gradient_clipping, check the data; resume with "
+                "--checkpoint.restore_from=LATEST.")
+        bad = [(rank, int(row[0]), float(row[1])) for rank, row in enumerate(table) if row[0] >= 0]
         if bad:
-            where = ", ".join(f"rank {r} micro-batch {m}" for r, m in bad)
-            raise NonFiniteError(f"validate mode: non-finite loss at step {step} on {where} "
-                                 f"(this rank {self.acc.process_index}: "
-                                 f"{bad_value if self.acc.process_index in dict(bad) else 'finite'}).")
+            where = ", ".join(f"rank {r} micro-batch {m} (loss {v})" for r, m, v in bad)
+            raise NonFiniteError(f"non-finite loss at step {step} on {where}.{what}")
         for rank, row in enumerate(table):
+            if not math.isfinite(float(row[3])):
+                raise NonFiniteError(f"non-finite gradient norm {float(row[3])} at step {step} on rank {rank}.{what}")
             if not math.isfinite(float(row[2])):
-                raise NonFiniteError(f"validate mode: non-finite gradient norm {float(row[2])} at step "
-                                     f"{step} on rank {rank}.")
-            if not math.isfinite(float(row[1])):
-                raise NonFiniteError(f"validate mode: non-finite step loss {float(row[1])} at step "
-                                     f"{step} on rank {rank}.")
-        for column, name in ((1, "step loss"), (2, "gradient norm")):
+                raise NonFiniteError(f"non-finite step loss {float(row[2])} at step {step} on rank {rank}.{what}")
+        for column, name in ((2, "step loss"), (3, "gradient norm")):
             ref = float(table[0, column])
             for rank in range(1, table.shape[0]):
                 value = float(table[rank, column])
@@ -167,18 +184,161 @@ class StepChecks:
                                             f"rank 0 has {ref!r}, rank {rank} has {value!r}.")
 
 
-# ---------------------------------------------------------------------------------- TEST HOOK
-TEST_NAN_ENV = "HYPERACC_TEST_NAN_AT_STEP"
-TEST_NAN_RANK_ENV = "HYPERACC_TEST_NAN_RANK"
+# ---------------------------------------------------------------------------------- fail closed, early
+# Checks that need no process group run on every rank before the Accelerator exists, so every rank
+# raises the same ConfigError (main() prints it as one line). Checks made after the process group
+# exists go through raise_if_any_rank_failed, so that one rank's failure is every rank's message.
+
+def _config_error(message: str):
+    from hyperacc.cli_config import ConfigError
+
+    return ConfigError(message)
 
 
-def test_hook_nan(loss: torch.Tensor, step: int, rank: int, micro_batch: int) -> torch.Tensor:
-    """TEST HOOK, not a feature: with ``HYPERACC_TEST_NAN_AT_STEP=N`` the first micro-batch loss of
-    optimizer step N on rank ``HYPERACC_TEST_NAN_RANK`` (default 1) becomes NaN. Used by the tests
-    of validate mode; a no-op when the variable is unset."""
-    at = os.environ.get(TEST_NAN_ENV)
-    if at is None or int(at) != step or micro_batch != 0:
-        return loss
-    if rank != int(os.environ.get(TEST_NAN_RANK_ENV, "1")):
-        return loss
-    return loss * float("nan")
+def check_output_path(path: Optional[str], flag: str, *, directory: bool) -> None:
+    """``path`` (a file, or a directory when ``directory``) can be created or written.
+
+    Walks up to the nearest existing ancestor: a regular file there (``checkpoint_dir`` under a
+    file) or a missing write permission is a ConfigError naming the flag.
+    """
+    if not path:
+        return
+    full = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    kind = "directory" if directory else "file"
+    if os.path.lexists(full):
+        if directory and not os.path.isdir(full):
+            raise _config_error(f"{flag}={path!r} exists and is not a directory. Fix: choose a directory path, "
+                                f"e.g. {flag}={path}.d")
+        if not directory and os.path.isdir(full):
+            raise _config_error(f"{flag}={path!r} is a directory, a file path is expected. Fix: e.g. "
+                                f"{flag}={os.path.join(path, 'metrics.jsonl')}")
+        if not os.access(full, os.W_OK | (os.X_OK if directory else 0)):
+            raise _config_error(f"{flag}={path!r}: the {kind} is not writable. Fix: change its permissions or "
+                                f"choose another path.")
+        return
+    parent = os.path.dirname(full)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise _config_error(f"{flag}={path!r} cannot be created: {parent!r} is a regular file, not a directory. "
+                            f"Fix: choose a {kind} path whose parents are directories.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise _config_error(f"{flag}={path!r} cannot be created: no write permission in {parent!r}. Fix: choose "
+                            f"a writable location.")
+
+
+def check_dataset_path(dataset) -> None:
+    """A dataset that names local files must exist (hub names are checked when loaded)."""
+    from hyperacc.data.text import check_dataset_source
+
+    try:
+        check_dataset_source(dataset)
+    except ValueError as err:
+        raise _config_error(f"data.dataset: {err}") from None
+
+
+def check_optimizer(optimizer_cfg) -> None:
+    """Build the configured optimizer on one scalar parameter: its own argument checks
+    (``lr=-1``, ``betas`` outside [0, 1), ``eps < 0`` ...) become a ConfigError now, not a
+    traceback per rank after the model is built."""
+    if optimizer_cfg is None:
+        return
+    probe = torch.nn.Parameter(torch.zeros(1))
+    try:
+        optimizer_cfg.build([{"params": [probe]}])
+    except (ValueError, TypeError, RuntimeError) as err:
+        target = getattr(optimizer_cfg, "target", "optimizer")
+        given = ", ".join(f"{k}={v!r}" for k, v in getattr(optimizer_cfg, "kwargs", {}).items())
+        raise _config_error(f"optimizer {target}({given}) rejects its arguments: {err}. Fix: correct the "
+                            f"--optimizer.* values (e.g. --optimizer.lr=3e-4).") from None
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_model_config(config, *, tokenizer_size: Optional[int] = None, flag: str = "model.overrides") -> None:
+    """Consistency of a transformers config (sizes positive, heads divide, experts fit the
+    routing, vocabulary holds the tokenizer) before any model is built."""
+    get = lambda name: getattr(config, name, None)  # noqa: E731
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "moe_intermediate_size", "head_dim", "num_experts", "num_experts_per_tok"):
+        value = get(name)
+        if value is not None and not _positive_int(value):
+            raise _config_error(f"{flag}.{name}={value!r} must be a positive integer. Fix: --{flag}.{name}=<n>")
+    heads, kv, hidden = get("num_attention_heads"), get("num_key_value_heads"), get("hidden_size")
+    if heads and kv and heads % kv:
+        raise _config_error(f"{flag}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv} "
+                            f"(grouped-query attention shares each KV head among a whole number of query heads). "
+                            f"Fix: e.g. --{flag}.num_key_value_heads={math.gcd(heads, kv)}")
+    if heads and hidden and get("head_dim") is None and hidden % heads:
+        raise _config_error(f"{flag}: num_attention_heads={heads} does not divide hidden_size={hidden} (and no "
+                            f"head_dim is set). Fix: set --{flag}.head_dim or a head count that divides {hidden}.")
+    experts, active = get("num_experts"), get("num_experts_per_tok")
+    if experts and active and active > experts:
+        raise _config_error(f"{flag}: num_experts_per_tok={active} > num_experts={experts}. Fix: "
+                            f"--{flag}.num_experts_per_tok={experts} or more experts.")
+    vocab = get("vocab_size")
+    if tokenizer_size is not None and vocab is not None and vocab < tokenizer_size:
+        raise _config_error(f"{flag}.vocab_size={vocab} is smaller than the tokenizer ({tokenizer_size} entries). "
+                            f"Fix: --{flag}.vocab_size={tokenizer_size} (or leave it unset).")
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if isinstance(err, (ValueError, OSError)) else f"{type(err).__name__}: {text}"
+
+
+def raise_if_any_rank_failed(error: Optional[BaseException], *, group=None, what: str = "") -> None:
+    """Collective (every rank calls it): when any rank passes an exception, every rank raises the
+    same ConfigError naming the first failing rank, instead of one traceback on that rank and
+    "Connection closed by peer" on the others. ``HYPERACC_DEBUG=1`` re-raises the original
+    exception (with its traceback) on the rank where it happened."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        messages: List[Optional[str]] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(messages, None if error is None else _one_line(error), group=group)
+    else:
+        messages = [None if error is None else _one_line(error)]
+    failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
+    if not failed:
+        return
+    if error is not None and os.environ.get("HYPERACC_DEBUG") == "1":
+        raise error
+    rank, message = failed[0]
+    others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+    prefix = f"{what} failed on rank {rank}{others}: " if what else ""
+    raise _config_error(f"{prefix}{message}") from None
+
+
+class TokenIdError(ValueError):
+    """A batch holds token ids outside the model's vocabulary."""
+
+
+def check_token_ids(batch, vocab_size: int, step: int, *, group=None) -> None:
+    """Every token id of the step's batch (the loader's host tensors) lies in ``[0, vocab_size)``.
+
+    Cost per step: a min and a max over the CPU batch and, with several ranks, one all_reduce of two
+    integers on the CPU group, so that every rank raises the same :class:`TokenIdError` before
+    the forward (instead of ``IndexError: index out of range in self`` on one rank).
+    """
+    import torch.distributed as dist
+
+    hi, lo = -1, 0
+    for mb in batch:
+        ids = mb["input_ids"]
+        if ids.numel():
+            hi = max(hi, int(ids.max()))
+            lo = min(lo, int(ids.min()))
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        both = torch.tensor([hi, -lo], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        hi, lo = int(both[0]), -int(both[1])
+    if hi >= vocab_size:
+        raise TokenIdError(f"the batch of step {step} holds token id {hi} but the model's vocab_size is {vocab_size} "
+                           f"(ids must be < {vocab_size}): the data was tokenized with another, larger vocabulary. "
+                           f"Fix: convert the data with the model's tokenizer (data.tokenizer), or set "
+                           f"--model.overrides.vocab_size={hi + 1} or more.")
+    if lo < 0:
+        raise TokenIdError(f"the batch of step {step} holds a negative token id ({lo}). Fix: check the dataset.")

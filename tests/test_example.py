@@ -5,7 +5,7 @@ Four 2-process launches serve every assertion (module-scoped fixtures):
   resume    - run 1: validate mode, stopped after step 15 by the preemption test hook with a save
               at 15 (same max_steps=30, so the same lr schedule); run 2: production mode,
               --checkpoint.restore_from=LATEST, to step 30, appending to the same JSONL;
-  nan       - validate mode with a NaN planted at step 3 on rank 1.
+  nan       - validate mode with a NaN planted at step 3 on rank 1 (tests/scripts/train_qwen_nan.py).
 Config errors and the 30B dry run run as plain `python` processes (no launcher, seconds).
 """
 import json
@@ -95,9 +95,11 @@ def test_resume_continues_exactly(baseline, resume):
 
 
 def test_planted_nan_stops_validate_mode(tmp_path):
-    proc = _launch(["--training.mode=validate", "--training.max_steps=5", "--eval.eval_steps=0",
-                    f"--logging.metrics_file={tmp_path / 'm.jsonl'}"],
-                   env={"HYPERACC_TEST_NAN_AT_STEP": "3"}, check=False)
+    # tests/scripts/train_qwen_nan.py: the example with a NaN loss planted at step 3 on rank 1
+    proc = run_accelerate(REPO / "tests" / "scripts" / "train_qwen_nan.py", CPU2,
+                          ["--logging.progress_bar=false", "--training.mode=validate", "--training.max_steps=5",
+                           "--eval.eval_steps=0", f"--logging.metrics_file={tmp_path / 'm.jsonl'}"],
+                          env={"NAN_AT_STEP": "3"}, timeout=400, check=False)
     assert proc.returncode != 0
     assert "non-finite loss at step 3 on rank 1 micro-batch 0" in proc.stderr, proc.stderr[-3000:]
     train, _ = _records(tmp_path / "m.jsonl")

@@ -31,6 +31,7 @@ from hyperacc.data.packed import TokenWindows, build_packed_dataset, parse_blend
 __all__ = [
     "build_train_dataset",
     "build_text_dataset",
+    "check_dataset_source",
     "load_text_dataset",
     "load_tokenizer",
     "tokenize_dataset",
@@ -279,6 +280,35 @@ def build_text_dataset(path, tokenizer, seq_len: int, *, name: Optional[str] = N
     tokenized = tokenize_dataset(ds, tokenizer, text_column=text_column, num_proc=num_proc)
     tokens = flatten_tokens(tokenized, len(tokenizer))
     return TokenWindows(tokens, seq_len, source=f"dataset {os.fspath(path)!r} (split {split!r})")
+
+
+def check_dataset_source(dataset) -> None:
+    """Cheap check, no loading: a dataset spec that names local files (a path, a glob, a Megatron
+    prefix or blend) must exist. Raises ValueError naming what is missing. Hub names pass (they are
+    checked when loaded)."""
+    if dataset is None or (isinstance(dataset, str) and dataset == "default"):
+        return
+    if is_megatron_spec(dataset):
+        return
+    specs = [dataset] if isinstance(dataset, (str, os.PathLike)) else list(dataset)
+    if len(specs) == 1 and isinstance(specs[0], str) and len(specs[0].split()) > 1:
+        try:
+            specs, _ = parse_blend(specs[0])
+        except (ValueError, TypeError):
+            pass
+    for spec in specs:
+        path = os.path.expanduser(os.fspath(spec))
+        prefix = normalize_prefix(path)
+        if os.path.exists(path) or (any(c in path for c in "*?[") and glob.glob(path)):
+            continue
+        if os.path.exists(prefix + ".idx") or os.path.exists(prefix + ".bin"):
+            missing = [p for p in (prefix + ".idx", prefix + ".bin") if not os.path.exists(p)]
+            raise ValueError(f"Megatron dataset {prefix!r} is incomplete: {', '.join(missing)} is missing")
+        looks_local = path.startswith((".", "/", "~")) or os.path.splitext(
+            path[:-3] if path.endswith(".gz") else path)[1].lower() in _FILE_BUILDERS or len(specs) > 1
+        if looks_local:
+            raise ValueError(f"{os.fspath(spec)!r} not found: no such file, directory or Megatron prefix "
+                             f"(PREFIX.idx + PREFIX.bin). Fix: pass an existing path, or a hub name like 'owner/name'")
 
 
 def is_megatron_spec(spec) -> bool:
