@@ -19,6 +19,7 @@ setup(
         "numpy",
         "pyyaml",
         "tqdm",
+        "xxhash>=3.0",
     ],
     extras_require={
         "test": ["pytest>=7", "megatron-core==0.16.1"],

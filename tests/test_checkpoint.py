@@ -14,6 +14,7 @@ from torch import nn
 
 from hyperacc.checkpoint import Checkpointer, TrainState
 from hyperacc.checkpoint import discovery, storage
+from hyperacc.checkpoint.integrity import IntegrityError
 from hyperacc.config import CheckpointConfig
 from hyperacc.data import MicroBatchDataLoader
 from hyperacc.progress import Progress
@@ -265,15 +266,17 @@ def test_a4_weights_only_checkpoint(tmp_path):
 def test_a5_missing_extra_state(tmp_path):
     config, path = _saved(tmp_path)
     os.remove(storage.extra_state_path(path, 0))
-    with pytest.raises(FileNotFoundError, match="extra_state"):
+    with pytest.raises(IntegrityError, match="extra_state_rank_0.pt: missing"):   # the manifest lists it
         Checkpointer(config).load(make_state(), path)
+    with pytest.raises(FileNotFoundError, match="extra_state"):   # without integrity: the plan's own check
+        Checkpointer(config, integrity=False).load(make_state(), path)
     # embedded layout recorded, but the payload item is absent
     config, path = _saved(tmp_path / "b", save_train_state=False)
     info = storage.read_sentinel(path)
     info["train_state"] = "embedded"
     storage.write_sentinel(path, info)
     with pytest.raises(FileNotFoundError, match="extra_state"):
-        Checkpointer(config).load(make_state(), path)
+        Checkpointer(config, integrity=False).load(make_state(), path)
 
 
 def test_a6_missing_model_key(tmp_path):
@@ -328,15 +331,19 @@ def test_pickle_payload_is_not_executed(tmp_path):
             return (open, (str(marker), "w"))
 
     torch.save({"progress": Evil()}, storage.extra_state_path(path, 0))
-    with pytest.raises(storage.UnsafeCheckpointError, match="Refusing"):
+    with pytest.raises(IntegrityError, match="extra_state_rank_0.pt"):   # caught before it is parsed
         Checkpointer(config).load(make_state(), path)
+    with pytest.raises(storage.UnsafeCheckpointError, match="Refusing"):   # and without the manifest check
+        Checkpointer(config, integrity=False).load(make_state(), path)
     assert not marker.exists()
     # the same for DCP's own .metadata
     with open(os.path.join(path, ".metadata"), "wb") as handle:
         import pickle
         pickle.dump(Evil(), handle)
-    with pytest.raises(storage.UnsafeCheckpointError):
+    with pytest.raises(IntegrityError, match=".metadata is unreadable"):
         Checkpointer(config).load(make_state(), path)
+    with pytest.raises(storage.UnsafeCheckpointError):
+        Checkpointer(config, integrity=False).load(make_state(), path)
     assert not marker.exists()
 
 

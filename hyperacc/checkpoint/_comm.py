@@ -41,6 +41,15 @@ def broadcast_object(obj, group=None):
     return box[0]
 
 
+def all_gather(obj, group=None) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not distributed():
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def all_true(flag: bool, group=None) -> bool:
     """True on every rank when ``flag`` is true on every rank."""
     if not distributed():

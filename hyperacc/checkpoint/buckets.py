@@ -1,6 +1,7 @@
 """The six buckets: what goes into a checkpoint and how it goes back.
 
-model and optimizer go into the DCP payload (sharded; DCP reshards them on load). progress,
+model and optimizer go into the DCP payload (sharded; DCP reshards them on load; the optimizer's
+state by parameter name, see optim_state). progress,
 lr_scheduler(s) and the train loader are rank-identical ("shared" extra state); RNG is per rank.
 """
 from __future__ import annotations
@@ -13,8 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+                                                     set_model_state_dict)
 
 from hyperacc.checkpoint import _comm
 
@@ -54,17 +54,8 @@ def model_state(model: nn.Module, *, trainable_only: bool = False) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
 
 
-def optimizer_state(owner: nn.Module, optimizer) -> dict:
-    """The optimizer's sharded state dict; creates (primes) its state if it has none yet."""
-    return get_optimizer_state_dict(owner, optimizer)
-
-
 def restore_model(model: nn.Module, state: dict, *, strict: bool) -> None:
     set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
-
-
-def restore_optimizer(owner: nn.Module, optimizer, state: dict) -> None:
-    set_optimizer_state_dict(owner, optimizer, state)
 
 
 # --------------------------------------------------------------------------- shared extra state

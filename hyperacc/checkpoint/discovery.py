@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import warnings
 from typing import List, Optional, Tuple
+
+from hyperacc.checkpoint import containment
 
 POINTER_FILE = "latest_checkpoint_iteration.txt"
 METADATA_FILE = ".metadata"
@@ -47,27 +48,7 @@ def read_pointer(root: str) -> Optional[int]:
 
 def write_pointer(root: str, step: int) -> None:
     """Atomically replace the LATEST pointer: temp file, fsync, rename, fsync the directory."""
-    final = os.path.join(root, POINTER_FILE)
-    tmp = f"{final}.tmp.{os.getpid()}"
-    with open(tmp, "w") as handle:
-        handle.write(f"{int(step)}\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    containment.atomic_write(os.path.join(root, POINTER_FILE), f"{int(step)}\n")
 
 
 def scan(root: str, *, warn_incomplete: bool = False) -> List[Tuple[int, str]]:
@@ -132,9 +113,19 @@ def resolve_source(source: str, checkpoint_dir: str) -> Optional[str]:
                             "directory.")
 
 
-def remove_checkpoint(path: str) -> None:
-    """Delete one checkpoint directory, its completeness marker first (a crash leaves it incomplete)."""
-    marker = os.path.join(path, METADATA_FILE)
-    if os.path.exists(marker):
-        os.remove(marker)
-    shutil.rmtree(path, ignore_errors=True)
+def latest_candidates(root: str) -> List[str]:
+    """What "LATEST" may fall back to, best first: the pointer's checkpoint, then every complete
+    checkpoint older than it, newest first (the newest complete one leads when there is no pointer)."""
+    pointed = read_pointer(root) if os.path.isdir(root) else None
+    if pointed is not None and is_complete(step_dir(root, pointed)):
+        return [step_dir(root, pointed)] + [p for s, p in reversed(scan(root)) if s < pointed]
+    if pointed is not None:
+        warnings.warn(f"{os.path.join(root, POINTER_FILE)} names step {pointed} but {step_dir(root, pointed)} is "
+                      "missing or incomplete; using the newest complete checkpoint instead.", stacklevel=2)
+    return [p for _, p in reversed(scan(root, warn_incomplete=True))]
+
+
+def remove_checkpoint(path: str) -> bool:
+    """Delete one checkpoint directory hyperacc wrote; a symlinked one is foreign and left alone
+    (returns False). The completeness marker goes first (a crash leaves it incomplete)."""
+    return containment.remove_tree(path)

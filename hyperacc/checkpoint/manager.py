@@ -1,5 +1,6 @@
 """Checkpointer: the one object the Accelerator talks to. It wires policy, storage, discovery,
-buckets, RNG and export together; each of those lives in its own module."""
+buckets, RNG, export, integrity, the directory lock and containment together; each of those lives
+in its own module."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -11,8 +12,10 @@ from typing import Optional
 
 import torch
 
-from hyperacc.checkpoint import _comm, buckets, discovery, rng, storage
+from hyperacc.checkpoint import (_comm, buckets, containment, discovery, integrity, optim_state, restore, rng,
+                                 storage)
 from hyperacc.checkpoint.export import export_hf
+from hyperacc.checkpoint.lock import DirLock
 from hyperacc.checkpoint.policy import SavePolicy
 from hyperacc.config import CheckpointConfig
 from hyperacc.progress import Progress
@@ -57,10 +60,20 @@ class Checkpointer:
     them at the same point of the loop.
     """
 
-    def __init__(self, config: Optional[CheckpointConfig] = None, *, device_type: str = "cpu", cpu_group=None):
+    def __init__(self, config: Optional[CheckpointConfig] = None, *, device_type: str = "cpu", cpu_group=None,
+                 integrity: bool = True, run_config: Optional[str] = None):
+        """``integrity``: record a digest of every file at save and verify them at load (off only to
+        measure its cost). ``run_config``: YAML text of the run's config, written atomically to
+        ``<checkpoint_dir>/config.yaml`` once a resume was accepted (or at the first save of a fresh
+        run) and into every ``global_step_<N>/`` saved."""
         self.config = config if config is not None else CheckpointConfig()
         self.device_type = device_type
         self.cpu_group = cpu_group
+        self.integrity = bool(integrity)
+        self.run_config = run_config
+        self._root_config_written = False
+        self._lock = DirLock(self.config.checkpoint_dir)
+        self._foreign_warned: set = set()
         self.policy = SavePolicy(self.config.save_ckpt, self.config.save_steps, self.config.save_epochs)
         self._pending: Optional[concurrent.futures.Future] = None
         self._pending_path: Optional[str] = None
@@ -72,6 +85,16 @@ class Checkpointer:
         self.last_load_timings: dict = {}
 
     # ------------------------------------------------------------------ public API
+    def lock(self) -> None:
+        """Collective: take the single-writer lock on ``checkpoint_dir`` now (when this job may
+        save), so that a second job fails before it trains. Saves and loads take it anyway."""
+        if self.config.save_ckpt:
+            _comm.decide_on_rank0(self._lock.acquire, self.cpu_group)
+
+    def set_run_config(self, text: Optional[str]) -> None:
+        """The run's config as YAML text (see ``__init__``); call before ``load``/``save``."""
+        self.run_config = text
+
     def on_step_end(self, state: TrainState) -> Optional[str]:
         """After each optimizer step: save when the policy says so. Returns the directory saved."""
         if not self.config.save_ckpt:
@@ -108,6 +131,7 @@ class Checkpointer:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+            self._lock.release()
 
     def wait(self) -> None:
         """Block until the in-flight async save (if any) completed; re-raise its error."""
@@ -128,10 +152,11 @@ class Checkpointer:
         step = int(state.progress.global_step)
         path = os.path.abspath(output_dir or discovery.step_dir(cfg.checkpoint_dir, step))
         status = _comm.decide_on_rank0(lambda: self._prepare_dir(path), self.cpu_group)
-        if status == "exists":
-            warn0(f"{path} already holds a complete checkpoint: it is kept as it is and this save is "
-                  "skipped (hyperacc never overwrites a checkpoint; use another checkpoint_dir or "
-                  "remove it to save there).")
+        if status in ("exists", "foreign"):
+            what = ("already holds a complete checkpoint" if status == "exists" else
+                    "is a symlink (a checkpoint hyperacc did not write: it is never written into)")
+            warn0(f"{path} {what}: it is kept as it is and this save is skipped (hyperacc never overwrites a "
+                  "checkpoint; use another checkpoint_dir or remove it to save there).")
             self.policy.note_saved(step)
             return None
 
@@ -143,7 +168,7 @@ class Checkpointer:
             payload[buckets.model_key(i)] = buckets.model_state(model, trainable_only=cfg.is_peft)
         for i, optimizer in enumerate(optimizers):
             owner = buckets.optimizer_owner(models, i, len(optimizers))
-            payload[buckets.optimizer_key(i)] = buckets.optimizer_state(owner, optimizer)
+            payload[buckets.optimizer_key(i)] = optim_state.optimizer_state(owner, optimizer)
 
         timings["state_dicts"] = time.perf_counter() - start - sum(timings.values())
         layout = "none"
@@ -151,32 +176,41 @@ class Checkpointer:
             layout = "per_rank" if cfg.save_extra_state_per_rank else "embedded"
 
         def write_own_files():
+            """This rank's files beside DCP's; returns their digests for the manifest."""
+            digests = {}
             if layout != "none":
                 shared = buckets.shared_extra_state(state)
                 if layout == "per_rank":
                     per_rank = {**shared, "rng": rng.get_rng_state(self.device_type), "rank": _comm.rank(),
                                 "world_size": _comm.world_size(), "dp_rank": int(state.dp_rank),
                                 "dp_size": int(state.dp_size)}
-                    storage.atomic_save(per_rank, storage.extra_state_path(path, _comm.rank()))
+                    file = storage.extra_state_path(path, _comm.rank())
+                    digests[os.path.relpath(file, path)] = storage.atomic_save(per_rank, file)
                 else:
                     payload[storage.EMBEDDED_EXTRA_KEY] = storage.bytes_to_tensor(storage.dumps(shared))
+            if _comm.rank() == 0 and self.run_config is not None:
+                containment.atomic_write(os.path.join(path, containment.RUN_CONFIG_FILE), self.run_config)
+                digests[containment.RUN_CONFIG_FILE] = integrity.digest_bytes(self.run_config.encode("utf-8"))
             if _comm.rank() == 0:
-                storage.write_sentinel(path, {
+                digests[storage.SENTINEL_FILE] = storage.write_sentinel(path, {
+                    "integrity": integrity.ALGORITHM if self.integrity else None,
                     "global_step": step, "epoch": int(state.progress.epoch), "train_state": layout,
                     "rng": "per_rank" if layout == "per_rank" else "not_saved",
                     "models": len(models), "optimizers": len(optimizers),
                     "schedulers": len(buckets.as_list(state.schedulers)) if layout != "none" else 0,
                     "world_size": _comm.world_size(), "dp_size": int(state.dp_size),
                     "peft": bool(cfg.is_peft), "seed": int(state.seed)})
+            return digests
 
-        _comm.run_on_every_rank(write_own_files, self.cpu_group)   # one rank failing stops all
+        digests = _comm.run_on_every_rank(write_own_files, self.cpu_group)   # one rank failing stops all
+        writer = integrity.IntegrityWriter(path, extra_files=digests, manifest=self.integrity)
 
         timings["extra_state"] = time.perf_counter() - start - sum(timings.values())
         if cfg.is_async and not final:
             if self._stager is None:
                 self._stager = storage.ReusableCpuStager()
             upload = storage.dcp_async_save(payload, path, process_group=self._async_process_group(),
-                                            stager=self._stager)
+                                            stager=self._stager, storage_writer=writer)
             del payload  # staged: the training step may now change parameters and optimizer state
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hyperacc-ckpt")
@@ -186,7 +220,7 @@ class Checkpointer:
             # dcp.save returns on every rank only after the coordinator wrote .metadata (its last step
             # is a collective): that is the opening barrier. Then rank 0 moves LATEST and prunes;
             # the broadcast of its outcome is the closing barrier (and shares any error).
-            storage.dcp_save(payload, path, process_group=self.cpu_group)
+            storage.dcp_save(payload, path, process_group=self.cpu_group, storage_writer=writer)
             del payload
             _comm.decide_on_rank0(lambda: self._after_complete(path, step), self.cpu_group)
 
@@ -202,7 +236,9 @@ class Checkpointer:
     def load(self, state: TrainState, source: Optional[str] = None) -> Optional[str]:
         """Restore in place from ``source`` ("LATEST" or a path; None: ``config.restore_from``).
 
-        Returns the directory restored from, or None when there was nothing to restore.
+        Every file is verified against the checkpoint's manifest first; with "LATEST" a damaged
+        checkpoint is skipped (with a warning) for the newest older one that verifies. Returns the
+        directory restored from, or None when there was nothing to restore.
         """
         self.wait()
         cfg = self.config
@@ -212,20 +248,23 @@ class Checkpointer:
         clock = _Clock()
         models = buckets.as_list(state.models)
         optimizers = buckets.as_list(state.optimizers) if cfg.restore_optimizer else []
+        owners = [buckets.optimizer_owner(models, i, len(optimizers)) for i in range(len(optimizers))]
+        live_groups = [optim_state.group_names(o, opt) for o, opt in zip(owners, optimizers)]
         templates = [buckets.model_state(m) for m in models]
         model_keys = [[f"{buckets.model_key(i)}.{k}" for k in t] for i, t in enumerate(templates)]
-        plan = _comm.decide_on_rank0(
-            lambda: self._plan_load(source, model_keys, len(optimizers), state), self.cpu_group)
-        if plan is None:
+        path = self._trusted_checkpoint(source)
+        clock.lap("verify")
+        if path is None:
             return None
-        path = plan["path"]
+        plan = _comm.decide_on_rank0(
+            lambda: restore.plan_load(cfg, path, model_keys, live_groups, state), self.cpu_group)
         clock.lap("plan")
 
         payload = {buckets.model_key(i): t for i, t in enumerate(templates)}
-        n_opt = min(len(optimizers), plan["saved_optimizers"])
-        owners = [buckets.optimizer_owner(models, i, len(optimizers)) for i in range(n_opt)]
+        n_opt = len(plan["optim"])
         for i in range(n_opt):
-            payload[buckets.optimizer_key(i)] = buckets.optimizer_state(owners[i], optimizers[i])
+            payload[buckets.optimizer_key(i)] = optim_state.state_template(
+                owners[i], optimizers[i], plan["optim"][i]["structure"])
         if plan["layout"] == "embedded" and cfg.restore_train_state:
             payload[storage.EMBEDDED_EXTRA_KEY] = torch.empty(plan["embedded_numel"], dtype=torch.uint8)
         strict = () if cfg.is_peft else tuple(f"{buckets.model_key(i)}." for i in range(len(models)))
@@ -236,23 +275,63 @@ class Checkpointer:
         for i, model in enumerate(models):
             buckets.restore_model(model, payload[buckets.model_key(i)], strict=not cfg.is_peft)
         for i in range(n_opt):
-            buckets.restore_optimizer(owners[i], optimizers[i], payload[buckets.optimizer_key(i)])
+            optim_state.apply(owners[i], optimizers[i], payload[buckets.optimizer_key(i)], plan["optim"][i]["groups"])
 
         clock.lap("apply")
         if cfg.restore_train_state:
             _comm.run_on_every_rank(
-                lambda: self._restore_train_state(state, plan, payload, optimizer_restored=n_opt > 0),
-                self.cpu_group)
+                lambda: restore.restore_train_state(state, plan, payload, optimizer_restored=n_opt > 0,
+                                                    device_type=self.device_type), self.cpu_group)
         clock.lap("train_state")
         self.policy.note_restored(int(state.progress.global_step), int(state.progress.epoch))
         self._last_saved_path = path if discovery.step_of(path) == int(state.progress.global_step) else None
+        if cfg.save_ckpt:   # the resume was accepted: now the run's config may replace the old one
+            _comm.decide_on_rank0(self._write_root_config, self.cpu_group)
         _comm.barrier(self.cpu_group)
         clock.lap("barrier")
         self.last_load_timings = clock.done()
         return path
 
     # ------------------------------------------------------------------ internals
+    def _trusted_checkpoint(self, source: str) -> Optional[str]:
+        """Collective: the checkpoint to load, its files verified; "LATEST" falls back past damaged ones."""
+        candidates = _comm.decide_on_rank0(lambda: self._candidates(source), self.cpu_group)
+        for n, path in enumerate(candidates):
+            problem = restore.verify(path, self.integrity, self.cpu_group)
+            if problem is None:
+                return path
+            if n + 1 < len(candidates):
+                warn0(f"{problem}. restore_from='LATEST': falling back to {candidates[n + 1]}.")
+                continue
+            hint = (" No older checkpoint verifies either." if n else "")
+            raise integrity.IntegrityError(f"{problem}.{hint} Restore another checkpoint (restore_from=<path>) "
+                                           "or copy the damaged file back from a backup.")
+        return None
+
+    def _candidates(self, source: str) -> list:
+        """Rank 0: the single-writer lock (when this job may save), then the checkpoints ``source``
+        may mean, best first (several only for "LATEST")."""
+        if self.config.save_ckpt:
+            self._lock.acquire()
+        root = self.config.checkpoint_dir
+        if source == "LATEST":
+            candidates = discovery.latest_candidates(root)
+            if candidates:
+                return [os.path.abspath(p) for p in candidates]
+        found = discovery.resolve_source(source, root)
+        return [os.path.abspath(found)] if found is not None else []
+
+    def _write_root_config(self) -> None:
+        if self.run_config is not None and not self._root_config_written:
+            containment.write_run_config(self.config.checkpoint_dir, self.run_config)
+            self._root_config_written = True
+
     def _prepare_dir(self, path: str) -> str:
+        """Rank 0, before a save: the lock, the run's config, and whether ``path`` may be written."""
+        self._lock.acquire()
+        self._write_root_config()
+        if containment.is_foreign(path):
+            return "foreign"
         if discovery.is_complete(path):
             return "exists"
         if os.path.isdir(path) and os.listdir(path):
@@ -295,97 +374,13 @@ class Checkpointer:
                 protected.add(discovery.step_dir(root, pointed))
             complete = discovery.scan(root)
             for _, old in complete[:-keep]:
-                if os.path.abspath(old) not in protected:
-                    discovery.remove_checkpoint(old)
-                    logger.info("keep_last_n=%d: removed %s", keep, old)
-
-    def _plan_load(self, source, model_keys, n_optimizers, state) -> Optional[dict]:
-        """Rank 0: find the checkpoint and check everything that could fail, before any collective."""
-        cfg = self.config
-        path = discovery.resolve_source(source, cfg.checkpoint_dir)
-        if path is None:
-            return None
-        path = os.path.abspath(path)
-        sentinel = storage.read_sentinel(path) or {}
-        available = storage.read_dcp_metadata(path).state_dict_metadata
-        if not cfg.is_peft:
-            missing = [k for keys in model_keys for k in keys if k not in available]
-            if missing:
-                raise RuntimeError(f"missing model key(s) in checkpoint {path}: {missing[:8]}"
-                                   f"{' ...' if len(missing) > 8 else ''} (the model does not match the "
-                                   "checkpoint; set is_peft=True only for adapter checkpoints).")
-        saved_optimizers = sentinel.get("optimizers")
-        if saved_optimizers is None:
-            saved_optimizers = len({k.split(".")[0] for k in available if k.startswith("optimizer")})
-        if n_optimizers and saved_optimizers == 0:
-            raise FileNotFoundError(f"{path} holds no optimizer state (saved with save_optimizer=False); "
-                                    "set restore_optimizer=False to load it.")
-        if n_optimizers and saved_optimizers != n_optimizers:
-            warn0(f"The checkpoint holds {saved_optimizers} optimizer(s) but training has {n_optimizers}: "
-                  f"restoring the first {min(saved_optimizers, n_optimizers)} pair(s) in order, the rest "
-                  "keep their fresh state.")
-
-        layout = sentinel.get("train_state")
-        if layout is None:  # not written by hyperacc: detect from the files
-            if os.path.isdir(os.path.join(path, storage.EXTRA_STATE_DIR)):
-                layout = "per_rank"
-            elif storage.EMBEDDED_EXTRA_KEY in available:
-                layout = "embedded"
-            else:
-                layout = "none"
-        plan = {"path": path, "layout": layout, "saved_optimizers": saved_optimizers,
-                "saved_world_size": sentinel.get("world_size"), "saved_dp_size": sentinel.get("dp_size"),
-                "embedded_numel": None, "same_topology": False}
-        if not cfg.restore_train_state:
-            return plan
-        if layout == "none":
-            raise FileNotFoundError(f"{path} holds no training state (saved with save_train_state=False: "
-                                    "weights only). Set restore_train_state=False to load just the weights.")
-        world = _comm.world_size()
-        plan["same_topology"] = (sentinel.get("world_size") == world
-                                 and sentinel.get("dp_size") == int(state.dp_size))
-        if layout == "per_rank":
-            needed = range(world) if plan["same_topology"] else [0]
-            absent = [storage.extra_state_path(path, r) for r in needed
-                      if not os.path.isfile(storage.extra_state_path(path, r))]
-            if absent:
-                raise FileNotFoundError(f"extra_state file(s) missing from {path}: {absent[:4]} (the "
-                                        "training-state bucket of this checkpoint is incomplete).")
-        elif layout == "embedded":
-            if storage.EMBEDDED_EXTRA_KEY not in available:
-                raise FileNotFoundError(f"{path} says its training state is embedded in the DCP payload "
-                                        f"but the '{storage.EMBEDDED_EXTRA_KEY}' item (extra_state) is "
-                                        "missing.")
-            plan["embedded_numel"] = int(available[storage.EMBEDDED_EXTRA_KEY].size.numel())
-        else:
-            raise RuntimeError(f"{path}: unknown training-state layout {layout!r}")
-        if cfg.save_ckpt and discovery.step_of(path) is not None:
-            newer = [s for s, _ in discovery.scan(cfg.checkpoint_dir) if s > discovery.step_of(path)]
-            if newer:
-                warn0(f"Resuming from {path} while {cfg.checkpoint_dir} holds newer complete checkpoints "
-                      f"(steps {newer[:6]}): saves that reach those steps will be skipped, not overwritten.")
-        return plan
-
-    def _restore_train_state(self, state, plan, payload, *, optimizer_restored: bool) -> None:
-        path = plan["path"]
-        if plan["layout"] == "embedded":
-            extra = storage.tensor_to_obj(payload[storage.EMBEDDED_EXTRA_KEY], f"extra_state in {path}")
-        else:
-            own = _comm.rank() if plan["same_topology"] else 0
-            extra = storage.load_weights_only(storage.extra_state_path(path, own),
-                                              f"extra_state file of rank {own} in {path}")
-        buckets.restore_shared_extra_state(state, extra, optimizer_restored=optimizer_restored)
-        step = int(state.progress.global_step)
-        if plan["layout"] == "per_rank" and plan["same_topology"] and "rng" in extra:
-            rng.set_rng_state(extra["rng"], self.device_type)
-        else:
-            why = ("the checkpoint keeps no per-rank RNG (embedded extra-state layout)"
-                   if plan["layout"] == "embedded" else
-                   f"the topology changed (saved world size {plan['saved_world_size']}, dp size "
-                   f"{plan['saved_dp_size']}; now {_comm.world_size()}, {state.dp_size})")
-            if plan["layout"] == "embedded":
-                logger.info("RNG re-derived from (seed, step, rank): %s", why)
-            else:
-                warn0(f"RNG states not restored because {why}: re-deriving them from (seed={state.seed}, "
-                      f"step={step}, rank).")
-            rng.rederive_rng(int(state.seed), step, _comm.rank(), self.device_type)
+                if os.path.abspath(old) in protected:
+                    continue
+                if containment.is_foreign(old):
+                    if old not in self._foreign_warned:
+                        self._foreign_warned.add(old)
+                        warn0(f"keep_last_n={keep}: {old} is a symlink (a checkpoint hyperacc did not write): "
+                              "it is left alone, not deleted.")
+                    continue
+                discovery.remove_checkpoint(old)
+                logger.info("keep_last_n=%d: removed %s", keep, old)

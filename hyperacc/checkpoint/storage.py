@@ -23,12 +23,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from hyperacc.checkpoint import _comm
+from hyperacc.checkpoint import _comm, containment, integrity
 
 SENTINEL_FILE = "hyperacc_checkpoint.json"
 EXTRA_STATE_DIR = "extra_state"
 EMBEDDED_EXTRA_KEY = "hyperacc_extra_state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: a manifest of file digests is written (unless integrity is off)
 
 
 def extra_state_path(path: str, rank: int) -> str:
@@ -64,11 +64,11 @@ def tensor_to_obj(tensor: torch.Tensor, what: str):
     return load_weights_only(io.BytesIO(tensor.numpy().tobytes()), what)
 
 
-def atomic_save(obj, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def atomic_save(obj, path: str) -> dict:
+    """``torch.save`` all or nothing, never through a link; returns the bytes' digest."""
+    data = dumps(obj)
+    containment.atomic_write(path, data, fsync=False)
+    return integrity.digest_bytes(data)
 
 
 _ALLOWED_BUILTINS = {"set", "frozenset", "slice", "object", "complex", "bytearray"}
@@ -152,9 +152,10 @@ def _single_process_quiet():
         yield
 
 
-def dcp_save(state_dict: dict, path: str, *, process_group=None) -> None:
+def dcp_save(state_dict: dict, path: str, *, process_group=None, storage_writer=None) -> None:
     with _single_process_quiet():
-        dcp.save(state_dict, checkpoint_id=path, process_group=process_group, no_dist=not _comm.distributed())
+        dcp.save(state_dict, checkpoint_id=path, storage_writer=storage_writer, process_group=process_group,
+                 no_dist=not _comm.distributed())
 
 
 class ReusableCpuStager(AsyncStager):
@@ -223,30 +224,42 @@ def _copy_into(src, dst):
     return src if isinstance(src, _IMMUTABLE) else copy.deepcopy(src)
 
 
-def dcp_async_save(state_dict: dict, path: str, *, process_group=None, stager=None) -> Future:
+def dcp_async_save(state_dict: dict, path: str, *, process_group=None, stager=None, storage_writer=None) -> Future:
     """Stage ``state_dict`` to CPU memory (a copy: the caller may mutate its tensors as soon as this
     returns) and write it in a background thread. Returns the upload future."""
     with _single_process_quiet():
-        result = dcp.async_save(state_dict, checkpoint_id=path, process_group=process_group,
-                                async_stager=stager, no_dist=not _comm.distributed())
+        result = dcp.async_save(state_dict, checkpoint_id=path, storage_writer=storage_writer,
+                                process_group=process_group, async_stager=stager,
+                                no_dist=not _comm.distributed())
     return getattr(result, "upload_completion", result)
 
 
-def dcp_load(state_dict: dict, path: str, *, strict_prefixes=(), process_group=None) -> None:
-    with _single_process_quiet():
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path),
-                 planner=CheckpointLoadPlanner(strict_prefixes), process_group=process_group,
-                 no_dist=not _comm.distributed())
+def dcp_load(state_dict: dict, path: str, *, strict_prefixes=(), process_group=None, no_dist=None) -> None:
+    """DCP load; a failure is one line naming the checkpoint (DCP's own error is per rank and
+    dozens of lines long; it stays attached as the cause)."""
+    no_dist = not _comm.distributed() if no_dist is None else no_dist
+    try:
+        with _single_process_quiet():
+            dcp.load(state_dict, storage_reader=SafeFileSystemReader(path),
+                     planner=CheckpointLoadPlanner(strict_prefixes), process_group=process_group,
+                     no_dist=no_dist)
+    except UnsafeCheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - summarised below, chained for debugging
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        first = next((line for line in lines if "Error" in line and "Traceback" not in line),
+                     lines[0] if lines else "")
+        raise RuntimeError(f"could not read checkpoint {path}: {type(err).__name__}: {first[:300]} "
+                           "(a damaged or incomplete checkpoint; load another one).") from err
 
 
 # --------------------------------------------------------------------------- sentinel
-def write_sentinel(path: str, info: dict) -> None:
+def write_sentinel(path: str, info: dict) -> dict:
+    """Write the JSON description of the checkpoint; returns its digest (for the manifest)."""
     os.makedirs(path, exist_ok=True)
-    final = os.path.join(path, SENTINEL_FILE)
-    tmp = f"{final}.tmp.{os.getpid()}"
-    with open(tmp, "w") as handle:
-        json.dump({"format_version": FORMAT_VERSION, **info}, handle, indent=1, sort_keys=True)
-    os.replace(tmp, final)
+    data = json.dumps({"format_version": FORMAT_VERSION, **info}, indent=1, sort_keys=True).encode()
+    containment.atomic_write(os.path.join(path, SENTINEL_FILE), data, fsync=False)
+    return integrity.digest_bytes(data)
 
 
 def read_sentinel(path: str) -> Optional[dict]:

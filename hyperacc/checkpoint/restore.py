@@ -1,0 +1,171 @@
+"""Restoring: which checkpoint to trust, what it holds, and putting the training state back.
+
+Everything that can fail is checked on rank 0 before the collective DCP load (``plan_load``) and
+the verdict is broadcast by the Checkpointer, so every rank raises the same error at the same
+point. Integrity is checked even before that (``manifest_status`` + ``integrity``): no byte of a
+checkpoint is trusted, parsed or unpickled-with-restrictions until its digest matched.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import List, Optional
+
+from hyperacc.checkpoint import _comm, buckets, discovery, integrity, optim_state, rng, storage
+
+logger = logging.getLogger("hyperacc.checkpoint")
+warn0 = buckets.warn0
+
+
+# --------------------------------------------------------------------------- integrity verdicts
+def manifest_status(path: str, enabled: bool) -> tuple:
+    """Rank 0: ("ok", files) to verify, ("legacy", why) / ("off", None) to load unverified, or
+    ("bad", what) for a checkpoint that must not be loaded."""
+    if not enabled:
+        return "off", None
+    try:
+        sentinel = storage.read_sentinel(path)
+    except (OSError, ValueError) as err:
+        return "bad", f"checkpoint {path}: {storage.SENTINEL_FILE} is unreadable ({err})"
+    try:
+        files = integrity.read_manifest(path)
+    except integrity.IntegrityError as err:
+        return "bad", str(err)
+    if files is None:
+        if sentinel and sentinel.get("format_version", 1) >= 2 and sentinel.get("integrity"):
+            return "bad", (f"checkpoint {path}: {integrity.MANIFEST_FILE} is missing (it is written before "
+                           ".metadata: it was removed, or the directory was copied incompletely)")
+        return "legacy", (f"checkpoint {path} has no {integrity.MANIFEST_FILE} (written before hyperacc recorded "
+                          "checksums): loading it without verifying its files.")
+    try:
+        metadata = storage.read_dcp_metadata(path)
+    except Exception as err:  # noqa: BLE001 - any failure to parse it means a damaged checkpoint
+        return "bad", f"checkpoint {path}: file .metadata is unreadable ({type(err).__name__}: {err})"
+    problem = integrity.check_dcp_references(path, metadata, files)
+    return ("bad", f"checkpoint {path} is damaged: {problem}") if problem else ("ok", files)
+
+
+def verify(path: str, enabled: bool, group=None) -> Optional[str]:
+    """Collective: None when ``path`` may be loaded; else one line naming the directory, the file
+    and what is wrong (the same on every rank)."""
+    kind, detail = _comm.decide_on_rank0(lambda: manifest_status(path, enabled), group)
+    if kind == "legacy":
+        warn0(detail)
+    if kind != "ok":
+        return detail if kind == "bad" else None
+    problems = integrity.verify_collectively(path, detail, group)
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return f"checkpoint {path} is damaged: {problems[0]}{more}"
+
+
+# --------------------------------------------------------------------------- the load plan
+def plan_load(cfg, path: str, model_keys, live_groups: List[List[List[str]]], state) -> dict:
+    """Rank 0: check everything that could fail, before any collective. ``live_groups``: per
+    optimizer to restore, its param groups' parameter names."""
+    sentinel = storage.read_sentinel(path) or {}
+    available = storage.read_dcp_metadata(path).state_dict_metadata
+    if not cfg.is_peft:
+        missing = [k for keys in model_keys for k in keys if k not in available]
+        if missing:
+            raise RuntimeError(f"missing model key(s) in checkpoint {path}: {missing[:8]}"
+                               f"{' ...' if len(missing) > 8 else ''} (the model does not match the "
+                               "checkpoint; set is_peft=True only for adapter checkpoints).")
+    n_optimizers = len(live_groups)
+    saved_optimizers = sentinel.get("optimizers")
+    if saved_optimizers is None:
+        saved_optimizers = len({k.split(".")[0] for k in available if k.startswith("optimizer")})
+    if n_optimizers and saved_optimizers == 0:
+        raise FileNotFoundError(f"{path} holds no optimizer state (saved with save_optimizer=False); "
+                                "set restore_optimizer=False to load it.")
+    if n_optimizers and saved_optimizers != n_optimizers:
+        warn0(f"The checkpoint holds {saved_optimizers} optimizer(s) but training has {n_optimizers}: "
+              f"restoring the first {min(saved_optimizers, n_optimizers)} pair(s) in order, the rest "
+              "keep their fresh state.")
+    plan = {"path": path, "saved_optimizers": saved_optimizers, "optim": [],
+            "saved_world_size": sentinel.get("world_size"), "saved_dp_size": sentinel.get("dp_size"),
+            "embedded_numel": None, "same_topology": False}
+    for i in range(min(saved_optimizers, n_optimizers)):
+        plan["optim"].append(_optimizer_plan(path, available, i, live_groups[i]))
+    _plan_train_state(cfg, path, sentinel, available, plan, state)
+    return plan
+
+
+def _optimizer_plan(path: str, available: dict, index: int, live: List[List[str]]) -> dict:
+    structure = optim_state.saved_structure(available, buckets.optimizer_key(index))
+    template = optim_state.groups_template(structure)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # a rank-0-only read: DCP notes it is not distributed
+        storage.dcp_load({buckets.optimizer_key(index): template}, path, no_dist=True)
+    groups = template["param_groups"]
+    difference = optim_state.first_difference(index, groups, live)
+    if difference:
+        raise ValueError(f"cannot restore the optimizer state of {path}: {difference}. Build the optimizer as "
+                         "it was at save time (same parameters, param groups and order), or set "
+                         "restore_optimizer=False to start it fresh.")
+    return {"structure": structure, "groups": groups}
+
+
+def _plan_train_state(cfg, path, sentinel, available, plan, state) -> None:
+    layout = sentinel.get("train_state")
+    if layout is None:  # not written by hyperacc: detect from the files
+        if os.path.isdir(os.path.join(path, storage.EXTRA_STATE_DIR)):
+            layout = "per_rank"
+        elif storage.EMBEDDED_EXTRA_KEY in available:
+            layout = "embedded"
+        else:
+            layout = "none"
+    plan["layout"] = layout
+    if not cfg.restore_train_state:
+        return
+    if layout == "none":
+        raise FileNotFoundError(f"{path} holds no training state (saved with save_train_state=False: "
+                                "weights only). Set restore_train_state=False to load just the weights.")
+    world = _comm.world_size()
+    plan["same_topology"] = (sentinel.get("world_size") == world and sentinel.get("dp_size") == int(state.dp_size))
+    if layout == "per_rank":
+        needed = range(world) if plan["same_topology"] else [0]
+        absent = [storage.extra_state_path(path, r) for r in needed
+                  if not os.path.isfile(storage.extra_state_path(path, r))]
+        if absent:
+            raise FileNotFoundError(f"extra_state file(s) missing from {path}: {absent[:4]} (the "
+                                    "training-state bucket of this checkpoint is incomplete).")
+    elif layout == "embedded":
+        if storage.EMBEDDED_EXTRA_KEY not in available:
+            raise FileNotFoundError(f"{path} says its training state is embedded in the DCP payload "
+                                    f"but the '{storage.EMBEDDED_EXTRA_KEY}' item (extra_state) is missing.")
+        plan["embedded_numel"] = int(available[storage.EMBEDDED_EXTRA_KEY].size.numel())
+    else:
+        raise RuntimeError(f"{path}: unknown training-state layout {layout!r}")
+    if cfg.save_ckpt and discovery.step_of(path) is not None:
+        newer = [s for s, _ in discovery.scan(cfg.checkpoint_dir) if s > discovery.step_of(path)]
+        if newer:
+            warn0(f"Resuming from {path} while {cfg.checkpoint_dir} holds newer complete checkpoints "
+                  f"(steps {newer[:6]}): saves that reach those steps will be skipped, not overwritten.")
+
+
+# --------------------------------------------------------------------------- train state
+def restore_train_state(state, plan, payload, *, optimizer_restored: bool, device_type: str) -> None:
+    path = plan["path"]
+    if plan["layout"] == "embedded":
+        extra = storage.tensor_to_obj(payload[storage.EMBEDDED_EXTRA_KEY], f"extra_state in {path}")
+    else:
+        own = _comm.rank() if plan["same_topology"] else 0
+        extra = storage.load_weights_only(storage.extra_state_path(path, own),
+                                          f"extra_state file of rank {own} in {path}")
+    buckets.restore_shared_extra_state(state, extra, optimizer_restored=optimizer_restored)
+    step = int(state.progress.global_step)
+    if plan["layout"] == "per_rank" and plan["same_topology"] and "rng" in extra:
+        rng.set_rng_state(extra["rng"], device_type)
+        return
+    why = ("the checkpoint keeps no per-rank RNG (embedded extra-state layout)" if plan["layout"] == "embedded"
+           else f"the topology changed (saved world size {plan['saved_world_size']}, dp size "
+                f"{plan['saved_dp_size']}; now {_comm.world_size()}, {state.dp_size})")
+    if plan["layout"] == "embedded":
+        logger.info("RNG re-derived from (seed, step, rank): %s", why)
+    else:
+        warn0(f"RNG states not restored because {why}: re-deriving them from (seed={state.seed}, "
+              f"step={step}, rank).")
+    rng.rederive_rng(int(state.seed), step, _comm.rank(), device_type)
