@@ -98,7 +98,8 @@ def dry_run(cfg, world_size):
 
 def preflight(cfg, world_size):
     """Every check that needs neither a process group nor a model, made on every rank before
-    either exists: each rank raises the same ConfigError, printed as one line by main().
+    either exists: each rank raises the same ConfigError, listing every problem found, which
+    main() prints as one line.
 
     Returns the tokenizer (train() sizes the model with it).
     """
@@ -106,23 +107,43 @@ def preflight(cfg, world_size):
     from hyperacc.training import check_dataset_path, check_model_config, check_optimizer, check_output_path
 
     log, ck = cfg.logging, cfg.checkpoint
-    check_output_path(log.metrics_file, "--logging.metrics_file", directory=False)
-    check_output_path(log.tensorboard_dir, "--logging.tensorboard_dir", directory=True)
+    problems, tokenizer = [], None
+
+    def collect(check, *args, **kwargs):
+        try:
+            return check(*args, **kwargs)
+        except ConfigError as err:
+            problems.append(str(err))
+
+    def tokenizer_or_error():
+        try:
+            return load_tokenizer(cfg.data.tokenizer or cfg.model.name_or_path)
+        except ValueError as err:
+            raise ConfigError(f"data.tokenizer: {err}") from None
+
+    collect(check_output_path, log.metrics_file, "--logging.metrics_file", directory=False)
+    collect(check_output_path, log.tensorboard_dir, "--logging.tensorboard_dir", directory=True)
     if ck.save_ckpt:
-        check_output_path(ck.checkpoint_dir, "--checkpoint.checkpoint_dir", directory=True)
-    check_dataset_path(cfg.data.dataset)
-    check_optimizer(cfg.optimizer)
-    _check_parallel(cfg, world_size)
+        collect(check_output_path, ck.checkpoint_dir, "--checkpoint.checkpoint_dir", directory=True)
+    collect(check_dataset_path, cfg.data.dataset)
+    collect(check_optimizer, cfg.optimizer)
+    collect(_check_parallel, cfg, world_size)
+    tokenizer = collect(tokenizer_or_error)
+    if tokenizer is not None:
+        config = collect(_model_config_or_error, cfg, len(tokenizer))
+        if config is not None:
+            collect(check_model_config, config, tokenizer_size=len(tokenizer))
+    if problems:
+        raise ConfigError(problems[0] if len(problems) == 1 else
+                          f"{len(problems)} problems: " + " | ".join(problems))
+    return tokenizer
+
+
+def _model_config_or_error(cfg, vocab_size):
     try:
-        tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.name_or_path)
-    except ValueError as err:
-        raise ConfigError(f"data.tokenizer: {err}") from None
-    try:
-        config = model_config(cfg, vocab_size=len(tokenizer))
+        return model_config(cfg, vocab_size=vocab_size)
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"model: {' '.join(str(err).split())}") from None
-    check_model_config(config, tokenizer_size=len(tokenizer))
-    return tokenizer
 
 
 def _check_parallel(cfg, world_size):
@@ -276,7 +297,8 @@ def _exit_with(prefix, err, code):
     agreed between the ranks) and leave; HYPERACC_DEBUG=1 shows the traceback instead."""
     if os.environ.get("HYPERACC_DEBUG") == "1":
         raise err
-    print(f"{prefix}: {err}", file=sys.stderr, flush=True)
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    print(f"{prefix}: {text}", file=sys.stderr, flush=True)
     try:
         import torch.distributed as dist
         if dist.is_initialized():            # every rank raised the same error at the same point

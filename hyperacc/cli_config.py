@@ -158,6 +158,29 @@ def _component_signature(target_path: str, where: str):
 # Values
 # ---------------------------------------------------------------------------------------------
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            try:
+                key = self.construct_object(key_node, deep=True)
+                hash(key)
+            except Exception:  # noqa: BLE001 - unhashable keys: left to the base class to report
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given on line {seen[key] + 1}); PyYAML would silently "
+                    f"keep the last one. Fix: keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _safe_load(stream):
+    return yaml.load(stream, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 class _CliValue:
     """A value given on the command line: raw text, parsed as a YAML scalar when checked."""
 
@@ -169,7 +192,7 @@ class _CliValue:
 
     def parsed(self):
         try:
-            return yaml.safe_load(self.text)
+            return _safe_load(self.text)
         except yaml.YAMLError:
             return self.text
 
@@ -582,6 +605,7 @@ _BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
 def _parse_argv(schema_cls, argv: Sequence[str]) -> Tuple[Optional[str], List[Tuple[List[str], _CliValue]]]:
     yaml_path = None
     overrides = []
+    seen: Dict[str, str] = {}
     i = 0
     argv = list(argv)
     while i < len(argv):
@@ -593,6 +617,9 @@ def _parse_argv(schema_cls, argv: Sequence[str]) -> Tuple[Optional[str], List[Tu
             if token.startswith("-") and len(token) > 1:
                 raise ConfigError(f"Unknown option {token!r}. Fix: use --section.field=value "
                                   "(see --help).")
+            if "=" in token and not token.endswith((".yaml", ".yml")):
+                raise ConfigError(f"{token!r} is not an option (no leading dashes): did you mean --{token.lstrip('-')}? "
+                                  "Fix: write overrides as --section.field=value.")
             if yaml_path is not None:
                 raise ConfigError(f"Unexpected argument {token!r}: a YAML config file ({yaml_path!r}) "
                                   "was already given. Fix: pass one YAML file and --section.field=value "
@@ -602,6 +629,10 @@ def _parse_argv(schema_cls, argv: Sequence[str]) -> Tuple[Optional[str], List[Tu
         body = token[2:]
         name = body.split("=", 1)[0]
         _check_flag_name(schema_cls, name, token)
+        if name in seen:
+            raise ConfigError(f"--{name} is given twice ({seen[name]!r} and {token!r}); one would silently win. "
+                              f"Fix: pass --{name} once.")
+        seen[name] = token
         if "=" in body:
             text = body.split("=", 1)[1]
         else:
@@ -652,11 +683,12 @@ def load_yaml(path) -> dict:
     """Read a YAML config file into a dict (empty file -> {})."""
     try:
         with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+            data = _safe_load(handle)
     except FileNotFoundError:
         raise ConfigError(f"Config file {str(path)!r} does not exist. Fix: pass an existing YAML path.") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {err}") from None
+        detail = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {detail}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -678,6 +710,9 @@ def parse_config(schema_cls, yaml_path=None, argv: Optional[Sequence[str]] = Non
         raise SystemExit(0)
     cli_yaml, overrides = _parse_argv(schema_cls, argv)
     if cli_yaml is not None and yaml_path is not None:
+        if not cli_yaml.endswith((".yaml", ".yml")):
+            raise ConfigError(f"Unexpected argument {cli_yaml!r}: expected --section.field=value options (and at "
+                              "most one CONFIG.yaml, given first). Fix: remove it or write it as an option.")
         raise ConfigError(f"Two YAML files given: {str(yaml_path)!r} and {cli_yaml!r}. Fix: pass one.")
     yaml_path = yaml_path if yaml_path is not None else cli_yaml
     data = load_yaml(yaml_path) if yaml_path is not None else {}

@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import importlib
 import os
+import sys
 import time
 import warnings
 from typing import Mapping, Optional
@@ -115,8 +116,42 @@ def _set_local_device(device_type: str, local_rank: int) -> None:
         module.set_device(local_rank % module.device_count())
 
 
+def die_with_launcher(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Ask Linux to SIGKILL this worker when its launcher dies (``prctl(PR_SET_PDEATHSIG)``).
+
+    torchrun (and ``accelerate launch``, which runs it) starts each worker in a session of its own,
+    so a SIGKILLed launcher would leave the workers training and saving into ``checkpoint_dir``.
+    Only for workers of the torch elastic agent (``TORCHELASTIC_RUN_ID`` set: their parent is the
+    launcher's Python process). SIGKILL, not SIGTERM: an orphan must not run a save-on-SIGTERM
+    handler. If the launcher died before the call (the worker was already adopted by init or a
+    subreaper, which is not a Python process), the worker exits now. Returns True when armed.
+    """
+    env = os.environ if env is None else env
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in env:
+        return False
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1  # <linux/prctl.h>; no public Python API for prctl
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        warnings.warn(f"prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): this worker will not "
+                      "stop by itself if its launcher is killed.")
+        return False
+    # The race: the launcher may have died between fork and prctl; then the parent is no longer it.
+    parent = os.getppid()
+    try:
+        parent_exe = os.path.basename(os.readlink(f"/proc/{parent}/exe"))
+    except OSError:
+        parent_exe = "python"  # unreadable: assume the launcher
+    if parent == 1 or not parent_exe.startswith("python"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
 def init_runtime(device_type: Optional[str] = None, timeout_s: int = 1800) -> Runtime:
     """Detect the device, start (or reuse) the process group and pin the local device."""
+    die_with_launcher()
     device_type = detect_device_type(device_type)
     backend = BACKENDS[device_type]
     launcher = detect_launcher()

@@ -11,8 +11,12 @@ Tokens are uint16 when the vocabulary has fewer than 65500 entries, else int32.
 
 Tokenization runs in ``--workers`` processes (order preserved). Output goes to temporary files
 that are renamed to the final names only when the conversion is complete: an interrupted
-conversion leaves no file under ``PREFIX.bin``/``PREFIX.idx``. Existing outputs are refused unless
-``--overwrite``. The last line printed is a summary: documents, tokens, seconds, tokens/s.
+conversion leaves no file under ``PREFIX.bin``/``PREFIX.idx``; temporary files that a killed
+conversion of the same prefix left (``PREFIX.bin.tmp-<pid>-...``) are removed by the next run once their
+writer is gone. Existing outputs are refused unless ``--overwrite``; ``--output-prefix dir/`` is refused
+(it names a directory, not a file prefix). Every value of the text column must be a string (an int or a
+null is an error naming the row); an unreadable input (not UTF-8, a broken JSON line) is one error
+naming the file and line. The last line printed is a summary: documents, tokens, seconds, tokens/s.
 
 Importing this module is cheap: datasets/transformers are imported when a conversion runs.
 """
@@ -28,7 +32,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hyperacc.data.megatron import IndexedDatasetWriter, bin_path, idx_path
+from hyperacc.data.megatron import IndexedDatasetWriter, bin_path, idx_path, remove_stale_temp_files
 
 __all__ = ["convert", "main", "build_parser"]
 
@@ -52,7 +56,6 @@ class _Encoder:
         return {"eos": self.eos, "_json": self._json, "_slow": self._slow, "_backend": None}
 
     def encode(self, texts: Sequence) -> Tuple[np.ndarray, np.ndarray]:
-        texts = [t if isinstance(t, str) else ("" if t is None else str(t)) for t in texts]
         if self._json is not None:
             if self._backend is None:
                 from tokenizers import Tokenizer
@@ -114,6 +117,10 @@ def _encoded_batches(encoder: _Encoder, batches: Iterable[List], workers: int) -
 
 # -- conversion -----------------------------------------------------------------------------------
 def _check_outputs(prefix: str, overwrite: bool) -> None:
+    base = os.path.basename(prefix)
+    if prefix.endswith((os.sep, "/")) or base in ("", ".", "..") or os.path.isdir(prefix):
+        raise IsADirectoryError(f"--output-prefix {prefix!r} names a directory; give a file prefix inside it, e.g. "
+                                f"--output-prefix {os.path.join(prefix, 'corpus')} (writes corpus.bin and corpus.idx)")
     existing = [p for p in (bin_path(prefix), idx_path(prefix)) if os.path.exists(p)]
     if existing and not overwrite:
         raise FileExistsError(f"output already exists: {', '.join(existing)}; refusing to overwrite it. Choose "
@@ -130,12 +137,13 @@ def convert(input: str, output_prefix: str, *, tokenizer=None, name: Optional[st
 
     Arguments mirror the CLI flags. ``tokenizer`` may also be a tokenizer object.
     """
-    from hyperacc.data.text import load_text_dataset, load_tokenizer
+    from hyperacc.data.text import _check_texts, load_text_dataset, load_tokenizer
 
     output_prefix = os.fspath(output_prefix)
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     _check_outputs(output_prefix, overwrite)
+    remove_stale_temp_files(output_prefix, log=log)  # left by a conversion of this prefix that was killed
     t_load = time.perf_counter()
     tok = load_tokenizer(tokenizer)
     vocab = len(tok)
@@ -144,8 +152,12 @@ def convert(input: str, output_prefix: str, *, tokenizer=None, name: Optional[st
     n_docs = len(column)
 
     def batches():
+        offset = 0
         for batch in column.iter(batch_size=batch_size):
-            yield batch[text_column]
+            texts = batch[text_column]
+            _check_texts(texts, offset, text_column, f"{input!r}")  # ints/nulls: an error, not str(value)
+            offset += len(texts)
+            yield texts
 
     bar = None
     if progress:

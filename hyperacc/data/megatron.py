@@ -23,9 +23,11 @@ This module only needs numpy: importing it stays cheap (no torch, no transformer
 from __future__ import annotations
 
 import os
+import re
+import socket
 import struct
 from array import array
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -37,6 +39,7 @@ __all__ = [
     "VERSION",
     "optimal_dtype",
     "exists",
+    "remove_stale_temp_files",
 ]
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -252,6 +255,56 @@ class IndexedDataset:
         self.__init__(state["prefix"])
 
 
+_TMP_TAG = re.compile(r"\.tmp-(?P<pid>\d+)-[0-9a-f]+(?:@(?P<host>.*))?$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temp_files(prefix: Union[str, os.PathLike], log=None) -> List[str]:
+    """Remove the ``PREFIX.bin.tmp-*`` / ``PREFIX.idx.tmp-*`` files that a killed writer of the
+    same prefix left behind; return their paths.
+
+    A temporary file is stale when the process that wrote it (pid and host are in its name) no
+    longer runs on this host. Files of a live writer, or written on another host, are kept (the
+    latter with a message through ``log``).
+    """
+    prefix = os.fspath(prefix)
+    directory = os.path.dirname(os.path.abspath(prefix))
+    host = socket.gethostname()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in sorted(names):
+        for final in (os.path.basename(bin_path(prefix)), os.path.basename(idx_path(prefix))):
+            if not name.startswith(final + ".tmp-"):
+                continue
+            match = _TMP_TAG.match(name[len(final):])
+            path = os.path.join(directory, name)
+            if match is None or os.path.isdir(path) or os.path.islink(path):
+                continue
+            if match.group("host") not in (None, host):
+                if log is not None:
+                    log(f"keeping temporary file {path}: it was written on host {match.group('host')!r}")
+                continue
+            if _pid_alive(int(match.group("pid"))):
+                continue
+            os.remove(path)
+            removed.append(path)
+            if log is not None:
+                log(f"removed stale temporary file {path} (its writer, pid {match.group('pid')}, is gone)")
+    return removed
+
+
 class IndexedDatasetWriter:
     """Write a Megatron ``MMIDIDX`` v1 dataset, atomically.
 
@@ -286,7 +339,7 @@ class IndexedDatasetWriter:
                                           f"output prefix, or pass --overwrite / overwrite=True)")
         parent = os.path.dirname(os.path.abspath(self.prefix))
         os.makedirs(parent, exist_ok=True)
-        tag = f".tmp-{os.getpid()}-{id(self):x}"
+        tag = f".tmp-{os.getpid()}-{id(self):x}@{socket.gethostname()}"  # see remove_stale_temp_files
         self._tmp_bin, self._tmp_idx = self.bin_path + tag, self.idx_path + tag
         self._bin = open(self._tmp_bin, "wb")
         self._lengths = array("q")
