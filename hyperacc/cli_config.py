@@ -193,6 +193,10 @@ class _CliValue:
     def parsed(self):
         try:
             return _safe_load(self.text)
+        except yaml.constructor.ConstructorError as err:
+            if "duplicate key" in str(err.problem):
+                raise ConfigError(f"{self.flag}: {err.problem}") from None
+            return self.text
         except yaml.YAMLError:
             return self.text
 

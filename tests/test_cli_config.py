@@ -206,3 +206,25 @@ def test_lr_factor_shapes():
     assert sched.lr_factor(0, 10) == pytest.approx(0.5)
     assert sched.lr_factor(2, 10) == pytest.approx(1.0)
     assert sched.lr_factor(10, 10) == pytest.approx(sched.min_lr_ratio)
+
+
+def test_repeated_flag_duplicate_yaml_key_and_dashless_flag_are_config_errors(tmp_path):
+    # a flag given twice: neither silently wins
+    with pytest.raises(ConfigError, match=r"--training.max_steps is given twice.*max_steps=2.*max_steps=3"):
+        parse_config(TrainConfig, argv=["--training.max_steps=2", "--training.max_steps=3"])
+    with pytest.raises(ConfigError, match="given twice"):  # the space-separated form counts too
+        parse_config(TrainConfig, argv=["--training.max_steps", "2", "--training.max_steps=3"])
+    # a key repeated in one YAML mapping (PyYAML alone keeps the last), naming both lines
+    dup = write(tmp_path, "training:\n  max_steps: 2\n  seed: 1\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'max_steps' \(first given on line 2\).*line 4") as info:
+        parse_config(TrainConfig, dup, argv=[])
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="duplicate key 'a'"):  # inline YAML on the command line too
+        parse_config(TrainConfig, argv=["--model.overrides={a: 1, a: 2}"])
+    # an override without dashes is reported as such, with the default YAML given or not
+    for yaml_path in (None, write(tmp_path, "training:\n  seed: 1\n", "ok.yaml")):
+        with pytest.raises(ConfigError, match=r"did you mean --training.max_steps=2\?") as info:
+            parse_config(TrainConfig, yaml_path, argv=["training.max_steps=2"])
+        assert "Two YAML files" not in str(info.value)
+    with pytest.raises(ConfigError, match="Unexpected argument 'extra'"):
+        parse_config(TrainConfig, write(tmp_path, "{}\n", "d.yaml"), argv=["extra"])

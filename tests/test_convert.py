@@ -185,3 +185,71 @@ def test_import_is_light():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_unreadable_inputs_name_file_and_line(cache, tmp_path, capsys):
+    def run(path, prefix="o"):
+        rc = cv.main(["--no-progress", "--workers", "1", "--input", str(path), "--output-prefix",
+                      str(tmp_path / "out" / prefix)])
+        return rc, capsys.readouterr().err
+
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("first line\ncaf\xe9 au lait\n".encode("latin-1"))
+    rc, err = run(latin1)
+    assert rc == 2 and f"file '{latin1}' is not valid UTF-8: line 2" in err and "0xe9" in err, err
+    assert "Traceback" not in err and "DatasetGenerationError" not in err
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"\n{"text": "d"}\n')
+    rc, err = run(broken)
+    assert rc == 2 and f"file '{broken}' line 3 is not valid JSON" in err, err
+    # ints and nulls in the text column: an error naming the row, never str(5) / "" silently
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"text": "a"}\n{"text": 5}\n')
+    rc, err = run(mixed)
+    assert rc == 2 and "row 1 of text column 'text'" in err and "int 5, not a string" in err, err
+    nulls = tmp_path / "nulls.jsonl"
+    nulls.write_text('{"text": "a"}\n{"text": "b"}\n{"text": null}\n')
+    rc, err = run(nulls)
+    assert rc == 2 and "row 2 of text column 'text'" in err and "is null" in err, err
+    # --output-prefix naming a directory: refused, nothing (hidden .bin/.idx) written
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"text": "hello"}\n')
+    rc, err = run(ok, prefix="")
+    assert rc == 2 and "names a directory" in err and "--output-prefix" in err, err
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+
+
+def test_stale_temp_files_of_a_killed_conversion_are_removed_by_the_next_run(cache, jsonl, tmp_path, capsys):
+    # A conversion slowed down in its encoder, SIGKILLed while its temporary files exist: no Python
+    # cleanup runs, the .tmp-* files stay behind.
+    script = ("import sys, time\n"
+              "from hyperacc.data import convert as cv\n"
+              "real = cv._Encoder.encode\n"
+              "def slow(self, texts):\n"
+              "    time.sleep(0.5)\n"
+              "    return real(self, texts)\n"
+              "cv._Encoder.encode = slow\n"
+              "sys.exit(cv.main(sys.argv[1:]))\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HYPERACC_CACHE": cache,
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = tmp_path / "corpus"
+    proc = subprocess.Popen([sys.executable, "-c", script, "--input", jsonl, "--text-column", "content",
+                             "--output-prefix", str(out), "--workers", "1", "--batch-size", "10", "--no-progress"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 90
+    while time.time() < deadline and not any(".tmp-" in f for f in os.listdir(tmp_path)):
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait(timeout=30)
+    stale = sorted(f for f in os.listdir(tmp_path) if f.startswith("corpus.bin.tmp-"))
+    assert stale, "the killed conversion left no temporary file to clean up"
+    # a live writer's temporary file (this test process) is never touched
+    live = tmp_path / f"corpus.idx.tmp-{os.getpid()}-abc"
+    live.write_bytes(b"in progress")
+    rc = cv.main(["--no-progress", "--workers", "1", "--input", jsonl, "--text-column", "content",
+                  "--output-prefix", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert f"removed stale temporary file {tmp_path / stale[0]}" in captured.out
+    assert sorted(os.listdir(tmp_path)) == ["corpus.bin", "corpus.idx", live.name, "in.jsonl"]
+    assert len(IndexedDataset(str(out))) == len(TEXTS)
