@@ -159,4 +159,6 @@ def test_fail_closed_on_two_processes(tmp_path):
     assert r0["missing_dir"][0] == "FileNotFoundError"
     assert r0["missing_key"][0] == "RuntimeError" and "missing model key" in r0["missing_key"][1]
     assert r0["missing_rank_file"][0] == "FileNotFoundError" and "extra_state" in r0["missing_rank_file"][1]
+    assert r0["missing_rank_file_verified"][0] == "IntegrityError"
+    assert "extra_state/extra_state_rank_1.pt: missing" in r0["missing_rank_file_verified"][1]
     assert r0["load_ok"] == ["ok", "global_step_2"] and r0["weights_equal"]

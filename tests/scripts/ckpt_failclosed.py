@@ -64,7 +64,9 @@ def main():
         os.rename(os.path.join(root, "global_step_2", "extra_state", "extra_state_rank_1.pt"),
                   os.path.join(root, "moved.pt"))
     dist.barrier()
-    attempt("missing_rank_file", lambda: ckpt.load(build(mesh), "LATEST"))
+    attempt("missing_rank_file_verified", lambda: ckpt.load(build(mesh), "LATEST"))   # manifest check
+    unverified = Checkpointer(config, device_type="cpu", integrity=False)   # the checks behind it
+    attempt("missing_rank_file", lambda: unverified.load(build(mesh), "LATEST"))
     if rank == 0:
         os.rename(os.path.join(root, "moved.pt"),
                   os.path.join(root, "global_step_2", "extra_state", "extra_state_rank_1.pt"))
@@ -74,7 +76,7 @@ def main():
         os.rename(rank1_file, os.path.join(root, "moved.pt"))
         torch.save({"progress": Evil(os.path.join(root, "pwned"))}, rank1_file)
     dist.barrier()
-    attempt("unsafe_rank1_file", lambda: ckpt.load(build(mesh), "LATEST"))
+    attempt("unsafe_rank1_file", lambda: unverified.load(build(mesh), "LATEST"))
     results["pwned"] = os.path.exists(os.path.join(root, "pwned"))
     dist.barrier()
     if rank == 0:
