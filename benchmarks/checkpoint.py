@@ -5,8 +5,10 @@
 
 Measures (median of --repeats, fresh directories, sync unless stated):
   save_state / raw dcp.save   Checkpointer.save (what acc.save_state runs: six buckets, sentinel,
-                              LATEST pointer, barriers) vs dcp.save of get_state_dict(model, optim)
-  load_state / raw dcp.load   Checkpointer.load vs dcp.load + set_state_dict
+                              file digests + manifest, LATEST pointer, barriers) vs dcp.save of
+                              get_state_dict(model, optim)
+  load_state / raw dcp.load   Checkpointer.load (files verified first) vs dcp.load + set_state_dict
+  integrity on / off          the same Checkpointer save / load with integrity=False (no digests)
   async blocked / sync save   time the loop is blocked by an async save vs a sync save
 Ratios are printed last.
 """
@@ -100,20 +102,26 @@ def main():
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
 
     sync = Checkpointer(CheckpointConfig(checkpoint_dir=os.path.join(root, "managed")), device_type="cpu")
-    results = {"raw_save": [], "save_state": [], "raw_load": [], "load_state": [], "async_blocked": [],
-               "async_total": []}
+    # the same without file digests (no manifest written, nothing verified): the cost of integrity
+    sync_off = Checkpointer(CheckpointConfig(checkpoint_dir=os.path.join(root, "managed_off")), device_type="cpu",
+                            integrity=False)
+    results = {"raw_save": [], "save_state": [], "save_no_integrity": [], "raw_load": [], "load_state": [],
+               "load_no_integrity": [], "async_blocked": [], "async_total": []}
     # One Checkpointer per training run, as the Accelerator keeps it (it reuses its staging buffers).
     async_ckpt = Checkpointer(CheckpointConfig(checkpoint_dir=root, is_async=True), device_type="cpu")
     for repeat in range(args.repeats + 1):     # round 0 warms up (allocations, process groups)
-        raw_dir, managed_dir = fresh_dir(), fresh_dir()
-        pairs = [("raw_save", lambda: raw_save(raw_dir)),
-                 ("save_state", lambda: sync.save(state, output_dir=managed_dir)),
-                 ("raw_load", lambda: raw_load(raw_dir)),
-                 ("load_state", lambda: sync.load(state, managed_dir))]
-        if repeat % 2:        # alternate which of each pair runs first (caches, allocator)
-            pairs = [pairs[1], pairs[0], pairs[3], pairs[2]]
-        for key, fn in pairs:
-            results[key].append(timed(fn))
+        raw_dir, managed_dir, off_dir = fresh_dir(), fresh_dir(), fresh_dir()
+        groups = [[("raw_save", lambda: raw_save(raw_dir)),
+                   ("save_state", lambda: sync.save(state, output_dir=managed_dir)),
+                   ("save_no_integrity", lambda: sync_off.save(state, output_dir=off_dir))],
+                  [("raw_load", lambda: raw_load(raw_dir)),
+                   ("load_state", lambda: sync.load(state, managed_dir)),
+                   ("load_no_integrity", lambda: sync_off.load(state, off_dir))]]
+        for group in groups:
+            if repeat % 2:    # alternate the order within each group (caches, allocator)
+                group.reverse()
+            for key, fn in group:
+                results[key].append(timed(fn))
         async_dir = fresh_dir()
         blocked = timed(lambda: async_ckpt.save(state, output_dir=async_dir))
         start = time.perf_counter()
@@ -130,7 +138,7 @@ def main():
             print("async save phases (ms):", {k: round(v * 1000, 1) for k, v in async_ckpt.last_save_timings.items()})
             print("load_state phases (ms):", {k: round(v * 1000, 1) for k, v in sync.last_load_timings.items()})
         if rank == 0:
-            for path in (raw_dir, managed_dir, async_dir):
+            for path in (raw_dir, managed_dir, off_dir, async_dir):
                 shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
     async_ckpt.finish(state)
@@ -141,8 +149,11 @@ def main():
               f"{args.repeats} repeats after 1 warm-up, dir {root}")
         for key, value in med.items():
             print(f"  {key:14s} {value * 1000:8.1f} ms   (all: {[round(x * 1000, 1) for x in results[key]]})")
-        print(f"ratio save_state / raw dcp.save : {med['save_state'] / med['raw_save']:.3f}  (goal <= 1.10)")
+        print(f"ratio save_state / raw dcp.save : {med['save_state'] / med['raw_save']:.3f}  (goal <= 1.15, "
+              "integrity on)")
         print(f"ratio load_state / raw dcp.load : {med['load_state'] / med['raw_load']:.3f}")
+        print(f"ratio save integrity on / off   : {med['save_state'] / med['save_no_integrity']:.3f}")
+        print(f"ratio load integrity on / off   : {med['load_state'] / med['load_no_integrity']:.3f}")
         print(f"ratio async blocked / sync save : {med['async_blocked'] / med['save_state']:.3f}  (goal <= 0.2)")
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

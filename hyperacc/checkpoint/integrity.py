@@ -17,7 +17,7 @@ import io
 import json
 import os
 import threading
-from torch.futures import Future
+from contextlib import contextmanager
 from typing import Dict, List, Optional
 
 import xxhash
@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from hyperacc.checkpoint import _comm, containment
 
@@ -99,7 +100,7 @@ class _HashingFileSystem(FileSystem):
     """DCP's local file system, except that files opened for writing are created without following
     a symlink planted at their name and are hashed as they are written."""
 
-    def __init__(self, digests: Dict[str, dict], lock: threading.Lock):
+    def __init__(self, digests: Optional[Dict[str, dict]], lock: threading.Lock):
         super().__init__()
         self._digests = digests
         self._lock = lock
@@ -110,12 +111,15 @@ class _HashingFileSystem(FileSystem):
         return self._hashed_stream(path)
 
     def _hashed_stream(self, path):
-        from contextlib import contextmanager
-
         @contextmanager
         def stream():
             containment.refuse_foreign(os.fspath(path), "writes")
-            raw = _HashingStream(containment.open_new_file(os.fspath(path)))
+            handle = containment.open_new_file(os.fspath(path))
+            if self._digests is None:   # integrity off: safe creation only
+                with handle:
+                    yield handle
+                return
+            raw = _HashingStream(handle)
             try:
                 yield raw
             finally:
@@ -130,14 +134,14 @@ class IntegrityWriter(FileSystemWriter):
 
     ``extra_files``: digests of files this rank wrote itself next to DCP's (extra state, sentinel,
     config), keyed by their path relative to the checkpoint directory. ``manifest=False`` keeps the
-    safe file creation but writes no manifest (integrity switched off).
+    safe file creation but hashes nothing and writes no manifest (integrity switched off).
     """
 
     def __init__(self, path, *, extra_files: Optional[Dict[str, dict]] = None, manifest: bool = True, **kwargs):
         super().__init__(path, **kwargs)
         self._digests: Dict[str, dict] = {}
         self._digest_lock = threading.Lock()     # DCP may write several files from several threads
-        self.fs = _HashingFileSystem(self._digests, self._digest_lock)   # DCP's public attribute
+        self.fs = _HashingFileSystem(self._digests if manifest else None, self._digest_lock)   # DCP's public attribute
         self._extra = dict(extra_files or {})
         self._manifest = manifest
 
