@@ -1,6 +1,13 @@
-"""`Accelerator`: the facade that wires runtime, mesh, sharding, accumulation and checkpointing.
+"""`Accelerator`: accelerate's Accelerator with hyperacc's mesh, FSDP2 sharding, exact accumulation
+and checkpoints in place of accelerate's.
 
-It holds references and forwards calls; the logic lives in the modules it composes.
+Why a subclass: a script written for accelerate uses ~110 members (trackers, `gather_for_metrics`,
+`split_between_processes`, `set_trigger`, `autocast`, `save_model`, `accelerate.logging` ...) whose
+meaning is accelerate's. Inheriting them keeps that meaning exact and costs no re-implementation;
+hyperacc overrides only what touches models, optimizers, loaders and checkpoints. Two things a naive
+subclass gets wrong are fixed here: accelerate's state is built on hyperacc's process group (on a
+CPU-only machine accelerate alone would pick "no distribution" and train every rank alone), and
+optimizers are rebound to the sharded parameters that `fully_shard` creates.
 """
 from __future__ import annotations
 
@@ -8,23 +15,27 @@ import contextlib
 import copy
 import os
 import random
+import re
 from typing import Optional
 
+import accelerate
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader
+from accelerate.data_loader import prepare_data_loader
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+from hyperacc import compat
 from hyperacc import runtime as runtime_lib
 from hyperacc.accumulation import GradientAccumulator
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig, from_environment
 from hyperacc.mesh import build_mesh
 from hyperacc.progress import Progress
 from hyperacc.sharding import shard_model
-from hyperacc.wrappers import (ParameterMap, PreparedOptimizer, PreparedScheduler, ShardedDataLoader,
-                               rebind_optimizer)
+from hyperacc.wrappers import ParameterMap, PreparedScheduler, rebind_optimizer
 
 DEFAULT_SEED = 42
+CHECKPOINT_ENV_PREFIX = "HYPERACC_CHECKPOINT_"
 
 
 def _is_scheduler(obj) -> bool:
@@ -37,8 +48,7 @@ def _configured(config, cls):
         config = cls()
     elif not isinstance(config, cls):
         raise TypeError(f"expected a {cls.__name__}, got {type(config).__name__}")
-    filled = copy.copy(config)
-    return from_environment(filled)
+    return from_environment(copy.copy(config))
 
 
 def set_seed(seed: int) -> None:
@@ -47,37 +57,70 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Accelerator:
+class Accelerator(accelerate.Accelerator):
     """Shard with FSDP2 over one DeviceMesh, accumulate exactly, checkpoint everything.
 
-    Every argument is optional. Unset ones come from the `accelerate launch` environment
-    (FSDP_*, PARALLELISM_CONFIG_*, ACCELERATE_MIXED_PRECISION, ACCELERATE_GRADIENT_ACCUMULATION_STEPS,
-    HYPERACC_CHECKPOINT_*), else from the defaults; explicit arguments win field by field.
+    Takes every argument of `accelerate.Accelerator` with its meaning (`fsdp_plugin` and
+    `parallelism_config` become hyperacc's FSDPConfig/ParallelConfig), plus hyperacc's own
+    keyword-only `parallel`, `fsdp`, `checkpoint`, `seed` and `device_type`, which win over them.
+    Unset values come from the `accelerate launch` environment, else from the defaults.
     """
 
-    def __init__(self, parallel: Optional[ParallelConfig] = None, fsdp: Optional[FSDPConfig] = None,
-                 checkpoint: Optional[CheckpointConfig] = None, seed: Optional[int] = None,
-                 gradient_accumulation_steps: Optional[int] = None, device_type: Optional[str] = None):
+    def __init__(self, device_placement: bool = True, split_batches=None, mixed_precision=None,
+                 gradient_accumulation_steps: int = 1, cpu: bool = False, dataloader_config=None,
+                 deepspeed_plugin=None, fsdp_plugin=None, torch_tp_plugin=None, megatron_lm_plugin=None,
+                 rng_types=None, log_with=None, project_dir=None, project_config=None,
+                 gradient_accumulation_plugin=None, step_scheduler_with_optimizer: bool = True,
+                 kwargs_handlers=None, dynamo_backend=None, dynamo_plugin=None, deepspeed_plugins=None,
+                 parallelism_config=None, *, parallel: Optional[ParallelConfig] = None,
+                 fsdp: Optional[FSDPConfig] = None, checkpoint: Optional[CheckpointConfig] = None,
+                 seed: Optional[int] = None, device_type: Optional[str] = None):
+        compat.refuse_unsupported_plugins(deepspeed_plugin=deepspeed_plugin, deepspeed_plugins=deepspeed_plugins,
+                                          megatron_lm_plugin=megatron_lm_plugin, torch_tp_plugin=torch_tp_plugin)
+        compat.warn_dynamo(dynamo_backend, dynamo_plugin)
+        if parallel is None and parallelism_config is not None:
+            parallel = compat.parallel_config_from_accelerate(parallelism_config)
+        if fsdp is None and fsdp_plugin is not None:
+            fsdp = compat.fsdp_config_from_plugin(fsdp_plugin)
         self.parallel_config = _configured(parallel, ParallelConfig)
-        self.fsdp_config = _configured(fsdp, FSDPConfig)
+        self.fsdp_config = compat.with_mixed_precision(_configured(fsdp, FSDPConfig), mixed_precision)
+        self._checkpoint_policy_configured = checkpoint is not None or any(
+            name.startswith(CHECKPOINT_ENV_PREFIX) for name in os.environ)
         self.checkpoint_config = _configured(checkpoint, CheckpointConfig)
-        if gradient_accumulation_steps is None:
-            gradient_accumulation_steps = int(os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1))
         self.seed = DEFAULT_SEED if seed is None else int(seed)
-        # Validate the parallel sizes against the world before any collective runs.
-        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+        # Validate the parallel sizes against the world, then start the process group: both before
+        # accelerate builds its state, so that the state describes this job.
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if torch.distributed.is_initialized():
+            world = torch.distributed.get_world_size()
         self.parallel_config.resolved(world)
+        if cpu and device_type is None:
+            device_type = "cpu"
         self.runtime = runtime_lib.init_runtime(device_type)
+        _check_no_stale_state(self.runtime.world_size)
+        with compat.accelerate_switches_off():
+            super().__init__(
+                device_placement=device_placement, split_batches=split_batches,
+                mixed_precision=self.fsdp_config.mixed_precision or mixed_precision,
+                gradient_accumulation_steps=gradient_accumulation_steps, cpu=self.runtime.device_type == "cpu",
+                dataloader_config=dataloader_config, rng_types=rng_types, log_with=log_with,
+                project_dir=project_dir, project_config=project_config,
+                gradient_accumulation_plugin=gradient_accumulation_plugin,
+                step_scheduler_with_optimizer=step_scheduler_with_optimizer, kwargs_handlers=kwargs_handlers)
+        # What hyperacc really does: FSDP2 sharding (accelerate's members branch on this). Set on the
+        # process state too: every new AcceleratorState() copies the process state's type over its own.
+        accelerate.PartialState().distributed_type = DistributedType.FSDP
+        self.state.distributed_type = DistributedType.FSDP
+        self.state.fsdp_plugin = fsdp_plugin if fsdp_plugin is not None else _fsdp2_plugin()
         self._mesh = build_mesh(self.parallel_config, self.runtime.world_size, self.runtime.device_type)
-        set_seed(self.seed)
+        if seed is not None:
+            set_seed(self.seed)
         self.accumulator = GradientAccumulator(
-            device=self.device, dp_size=self.dp_size, group=self._cpu_group_or_none(),
-            fsdp=self.fsdp_config, gradient_accumulation_steps=gradient_accumulation_steps)
+            device=self.device, dp_size=self.dp_size, group=self.runtime.cpu_group, fsdp=self.fsdp_config,
+            on_sync_change=self._set_sync_gradients)
         self.progress = Progress()
         self._params = ParameterMap()
-        self._models: list = []
-        self._optimizers: list = []
-        self._schedulers: list = []
         self._train_loader = None
         self._checkpointer = None
 
@@ -87,27 +130,11 @@ class Accelerator:
         return self.runtime.device
 
     @property
-    def process_index(self) -> int:
-        return self.runtime.rank
-
-    @property
-    def local_process_index(self) -> int:
-        return self.runtime.local_rank
-
-    @property
-    def num_processes(self) -> int:
-        return self.runtime.world_size
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.runtime.rank == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.runtime.local_rank == 0
-
-    @property
     def mesh(self):
+        return self._mesh.mesh
+
+    @property
+    def torch_device_mesh(self):
         return self._mesh.mesh
 
     @property
@@ -119,48 +146,28 @@ class Accelerator:
         return self._mesh.dp_size
 
     @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.accumulator.gradient_accumulation_steps
-
-    @property
-    def sync_gradients(self) -> bool:
-        return self.accumulator.sync_gradients
-
-    @property
     def step_loss(self) -> Optional[float]:
         """Global token-mean loss of the last `accumulate(model, batch)` step (same on every rank)."""
         return self.accumulator.step_loss
 
-    def _cpu_group_or_none(self):
-        """The gloo group for CPU-side collectives; None (= the default group) on CPU runs.
-
-        None rather than a handle on the default group: a held handle would keep the group and its
-        worker threads alive past `end_training()`, into interpreter shutdown.
-        """
-        return self.runtime.cpu_group
+    def _set_sync_gradients(self, value: bool) -> None:
+        self.sync_gradients = value     # accelerate's GradientState: read by its optimizer and scheduler
 
     # ------------------------------------------------------------------ prepare
-    def prepare(self, *objects):
-        """Shard models, rebind optimizers, wrap schedulers and loaders; returns them in order."""
-        models = [obj for obj in objects if isinstance(obj, torch.nn.Module)]
-        for model in models:
-            self._prepare_model(model)
-        prepared = []
-        for obj in objects:
-            if isinstance(obj, torch.nn.Module):
-                prepared.append(obj)
-            elif isinstance(obj, torch.optim.Optimizer):
-                prepared.append(self._prepare_optimizer(obj))
-            elif _is_scheduler(obj):
-                prepared.append(None)   # after all optimizers of this call are wrapped
-            else:
-                prepared.append(self._prepare_loader(obj))
+    def prepare(self, *objects, device_placement=None):
+        """Shard models, rebind optimizers, prepare loaders, then schedulers; returns them in order."""
+        prepared = [self.prepare_model(obj) if isinstance(obj, torch.nn.Module) else None for obj in objects]
         for index, obj in enumerate(objects):
-            if prepared[index] is None and _is_scheduler(obj):
-                prepared[index] = self._prepare_scheduler(obj)
+            if isinstance(obj, torch.optim.Optimizer):
+                prepared[index] = self.prepare_optimizer(obj)
+            elif prepared[index] is None and not _is_scheduler(obj):
+                prepared[index] = self.prepare_data_loader(obj)
+        for index, obj in enumerate(objects):
+            if prepared[index] is None:
+                prepared[index] = self.prepare_scheduler(obj)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
-    def _prepare_model(self, model: torch.nn.Module) -> None:
+    def prepare_model(self, model: torch.nn.Module, device_placement=None, evaluation_mode: bool = False):
         if any(model is seen for seen in self._models):
             raise ValueError("prepare() was called twice on the same model. Prepare each model once "
                              "and keep using the object it returned.")
@@ -168,39 +175,60 @@ class Accelerator:
         shard_model(model, self._mesh.fsdp_mesh, self.fsdp_config, self.device, self.seed)
         self._params.record(model, originals)
         self._models.append(model)
+        return model
 
-    def _prepare_optimizer(self, optimizer):
-        if isinstance(optimizer, PreparedOptimizer):
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
+        if getattr(optimizer, "_is_accelerate_prepared", False) or isinstance(optimizer, accelerate.optimizer.AcceleratedOptimizer):
             raise ValueError("This optimizer was already prepared.")
         rebind_optimizer(optimizer, self._params)
-        is_first = not self._optimizers
-        prepared = PreparedOptimizer(optimizer, should_step=lambda: self.accumulator.sync_gradients,
-                                     on_step=self._count_step if is_first else None)
-        self._optimizers.append(prepared)
-        return prepared
+        if not self._optimizers:      # progress counts the steps of the first optimizer
+            optimizer.register_step_post_hook(lambda *_: self._count_step())
+        return super().prepare_optimizer(optimizer, device_placement=device_placement)
 
-    def _prepare_scheduler(self, scheduler):
-        prepared = PreparedScheduler(scheduler, self._optimizers)
-        self._schedulers.append(prepared)
-        return prepared
-
-    def _prepare_loader(self, loader):
-        from hyperacc.data.loader import MicroBatchDataLoader
-
-        if isinstance(loader, MicroBatchDataLoader):
-            prepared = loader.bind(self.dp_rank, self.dp_size)
-        elif isinstance(loader, DataLoader):
-            prepared = ShardedDataLoader(loader, dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed,
-                                         on_last_batch=self._set_end_of_dataloader)
-        else:
-            raise TypeError(f"prepare() does not know how to prepare a {type(loader).__name__}: pass "
+    def prepare_scheduler(self, scheduler):
+        """Step mode (a MicroBatchDataLoader was prepared): once per optimizer step. Otherwise
+        accelerate's AcceleratedScheduler, which steps as accelerate scripts size their schedules."""
+        if not _is_scheduler(scheduler):
+            raise TypeError(f"prepare() does not know how to prepare a {type(scheduler).__name__}: pass "
                             "nn.Module, torch.optim.Optimizer, LR scheduler, DataLoader or MicroBatchDataLoader.")
+        if self._needs_once_per_step_scheduler():
+            prepared = PreparedScheduler(scheduler, self._optimizers)
+            self._schedulers.append(prepared)
+            return prepared
+        prepared = super().prepare_scheduler(scheduler)
+        assert isinstance(prepared, AcceleratedScheduler)
+        return prepared
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        from hyperacc.data.loader import MicroBatchDataLoader
+        from hyperacc.data.resumable import ResumableLoader
+
+        if isinstance(data_loader, MicroBatchDataLoader):
+            prepared = data_loader.bind(self.dp_rank, self.dp_size)
+        elif isinstance(data_loader, torch.utils.data.DataLoader):
+            prepared = ResumableLoader(self._accelerate_data_loader(data_loader, device_placement,
+                                                                    slice_fn_for_dispatch))
+        else:
+            raise TypeError(f"prepare() does not know how to prepare a {type(data_loader).__name__}: pass "
+                            "nn.Module, torch.optim.Optimizer, LR scheduler, DataLoader or MicroBatchDataLoader.")
+        self._dataloaders.append(prepared)
         if self._train_loader is None:
             self._train_loader = prepared
         return prepared
 
-    def _set_end_of_dataloader(self, value: bool) -> None:
-        self.accumulator.end_of_dataloader = value
+    def _accelerate_data_loader(self, data_loader, device_placement, slice_fn_for_dispatch):
+        """accelerate's own preparation, sharded over the data-parallel ranks (not every rank)."""
+        return prepare_data_loader(
+            data_loader, self.device, num_processes=self.dp_size, process_index=self.dp_rank,
+            split_batches=self.split_batches,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
+            rng_types=self.rng_types.copy(), dispatch_batches=self.dispatch_batches, even_batches=self.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader)
+
+    def _needs_once_per_step_scheduler(self) -> bool:
+        return getattr(self._train_loader, "micro_batches_per_step", None) is not None
 
     def _count_step(self) -> None:
         self.progress.global_step += 1
@@ -208,39 +236,66 @@ class Accelerator:
         self.progress.consumed_tokens += self.accumulator.step_tokens
 
     # ------------------------------------------------------------------ training
-    def accumulate(self, model, batch=None):
-        """Step mode with ``batch`` (a list of micro-batches), accelerate-compatible mode without."""
-        models = [model] if isinstance(model, torch.nn.Module) else list(model)
+    def accumulate(self, *args):
+        """`accumulate(model, batch)`: step mode (a list of micro-batches, token-weighted);
+        `accumulate(*models)`: accelerate's gradient accumulation over `gradient_accumulation_steps`."""
+        models, batch = [], None
+        for arg in args:
+            if isinstance(arg, torch.nn.Module):
+                models.append(arg)
+            elif isinstance(arg, (list, tuple)) and arg and all(isinstance(m, torch.nn.Module) for m in arg):
+                models.extend(arg)
+            elif batch is None:
+                batch = arg
+            else:
+                raise TypeError("accumulate() takes models and at most one batch (a list of micro-batches).")
         if batch is not None:
             return self.accumulator.step(models, batch)
-        return self.accumulator.micro_step(models)
+        return super().accumulate(*models)
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         if self.accumulator.in_step:
             loss = self.accumulator.scale_step_loss(loss)
-        elif self._needs_step_mode():
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward(**kwargs)
+            return
+        if self._needs_once_per_step_scheduler() and self._train_loader.micro_batches_per_step > 1:
             raise RuntimeError("backward() was called outside `with acc.accumulate(model, batch)` while the "
                                "loader yields several micro-batches per step: gradients would be "
                                "reduced after every micro-batch and weighted wrongly. Wrap the "
                                "micro-batch loop in acc.accumulate(model, batch).")
-        elif self.gradient_accumulation_steps > 1:
-            loss = self.accumulator.scale_micro_step_loss(loss)
-        loss.backward(**kwargs)
-
-    def _needs_step_mode(self) -> bool:
-        return getattr(self._train_loader, "micro_batches_per_step", 1) > 1
+        super().backward(loss, **kwargs)
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm of (DTensor) gradients; returns that norm, identical on every rank."""
         from torch.distributed.tensor import DTensor
 
+        self.unscale_gradients()
         params = [p for p in parameters if p.grad is not None]
-        grads = [p.grad for p in params]
-        total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type, foreach=True)
         if isinstance(total, DTensor):
             total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total
+
+    def clip_grad_value_(self, parameters, clip_value: float) -> None:
+        """Element-wise, so each rank clips its own gradient shards."""
+        self.unscale_gradients()
+        for param in parameters:
+            if param.grad is not None:
+                param.grad.clamp_(min=-clip_value, max=clip_value)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(model):
+        """Reduce gradients in the next backward even inside `no_sync` (FSDP2's sync flag)."""
+        if not hasattr(model, "set_requires_gradient_sync"):
+            yield
+            return
+        model.set_requires_gradient_sync(True)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(False)
 
     def step_end(self):
         """Call once per optimizer step, after optimizer.step()/scheduler.step(): runs the save policy."""
@@ -249,43 +304,22 @@ class Accelerator:
             return None
         return self._get_checkpointer().on_step_end(self._train_state())
 
-    # ------------------------------------------------------------------ collectives
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate ``tensor`` from every process along dim 0 (scalars become a 1-D tensor)."""
-        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
-        if self.num_processes == 1:
-            return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.num_processes)]
-        dist.all_gather(parts, tensor.contiguous())
-        return torch.cat(parts, dim=0)
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        if hasattr(dataloader, "skip_first_batches"):       # a ResumableLoader
+            return dataloader.skip_first_batches(num_batches)
+        return super().skip_first_batches(dataloader, num_batches)
 
-    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-        if reduction not in ("sum", "mean"):
-            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-        result = tensor.clone()
-        if self.num_processes > 1:
-            dist.all_reduce(result)
-        return result / self.num_processes if reduction == "mean" else result
+    def free_memory(self, *objects):
+        self._train_loader = None
+        self._params = ParameterMap()
+        return super().free_memory(*objects)
 
-    def wait_for_everyone(self) -> None:
-        if self.num_processes > 1:
-            dist.barrier()
-
-    def print(self, *args, **kwargs) -> None:
-        if self.is_main_process:
-            print(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def main_process_first(self):
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
-
-    def unwrap_model(self, model):
-        """FSDP2 shards in place, so the prepared model is the user's own module."""
-        return model
+    def get_state_dict(self, model, unwrap: bool = True):
+        """accelerate's (full weights gathered to every rank's host memory), after resharding: a
+        forward without backward (evaluation) leaves FSDP2 units unsharded, and a state dict read
+        then would alias storage that FSDP frees at the next reshard."""
+        _reshard(model)
+        return super().get_state_dict(model, unwrap=unwrap)
 
     # ------------------------------------------------------------------ checkpoints
     def _get_checkpointer(self):
@@ -293,7 +327,7 @@ class Accelerator:
             from hyperacc.checkpoint import Checkpointer
 
             self._checkpointer = Checkpointer(self.checkpoint_config, device_type=self.runtime.device_type,
-                                              cpu_group=self._cpu_group_or_none())
+                                              cpu_group=self.runtime.cpu_group)
         return self._checkpointer
 
     def _sync_epoch(self) -> None:
@@ -304,31 +338,90 @@ class Accelerator:
         from hyperacc.checkpoint import TrainState
 
         self._sync_epoch()
+        for model in self._models:
+            _reshard(model)
         return TrainState(
             models=list(self._models), optimizers=[o.optimizer for o in self._optimizers],
             schedulers=[s.scheduler for s in self._schedulers], loader=self._train_loader,
             progress=self.progress, dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed)
 
-    def save_state(self, output_dir: Optional[str] = None) -> Optional[str]:
-        """Save all six buckets to ``<checkpoint_dir>/global_step_<N>`` (or ``output_dir``)."""
-        return self._get_checkpointer().save(self._train_state(), output_dir=output_dir)
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs) -> Optional[str]:
+        """Save all six buckets (and registered objects) to ``output_dir``; default
+        ``<checkpoint_dir>/global_step_<N>``, or accelerate's ``<project_dir>/checkpoints/checkpoint_<i>``
+        with `ProjectConfiguration(automatic_checkpoint_naming=True)`."""
+        from hyperacc.checkpoint import custom_objects
 
-    def load_state(self, input_dir: Optional[str] = None) -> Optional[str]:
-        """Restore in place from a path or "LATEST" (default: CheckpointConfig.restore_from).
+        if self.project_configuration.automatic_checkpoint_naming:
+            output_dir = custom_objects.next_automatic_dir(self.project_dir, self.save_iteration,
+                                                           self.project_configuration.total_limit,
+                                                           is_main=self.is_main_process)
+        saved = self._get_checkpointer().save(self._train_state(), output_dir=output_dir)
+        if saved is not None:
+            custom_objects.save(self._custom_objects, saved, is_main=self.is_main_process)
+            self.wait_for_everyone()
+        if self.project_configuration.automatic_checkpoint_naming:
+            self.project_configuration.iteration += 1
+        return saved
 
-        Returns the directory loaded, or None for a fresh start.
-        """
+    def load_state(self, input_dir: Optional[str] = None, **load_model_func_kwargs) -> Optional[str]:
+        """Restore in place from a path or "LATEST" (default: CheckpointConfig.restore_from, or the
+        newest automatic checkpoint). Returns the directory loaded, or None for a fresh start."""
+        from hyperacc.checkpoint import custom_objects
+
+        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            input_dir = custom_objects.newest_automatic_dir(self.project_dir)
         if input_dir is None and self.checkpoint_config.restore_from is None:
             return None
         loaded = self._get_checkpointer().load(self._train_state(), input_dir)
+        if loaded is not None:
+            custom_objects.load(self._custom_objects, loaded)
+            match = re.search(r"checkpoint_(\d+)$", loaded.rstrip("/"))
+            if self.project_configuration.automatic_checkpoint_naming and match:
+                self.project_configuration.iteration = int(match.group(1)) + 1
         self._sync_epoch()
         return loaded
 
     def end_training(self) -> None:
-        """Final checkpoint per the policy, wait for async saves, release the process group."""
-        if self.checkpoint_config.save_ckpt or self._checkpointer is not None:
+        """Finish trackers; final checkpoint only if a checkpoint policy was configured (or a save/load
+        already ran); wait for async saves; release the process group if hyperacc created it."""
+        if self._checkpointer is not None or (self._checkpoint_policy_configured and self.checkpoint_config.save_ckpt):
             self._get_checkpointer().finish(self._train_state())
+        for tracker in self.trackers:
+            tracker.finish()
         runtime_lib.shutdown(self.runtime)
+
+
+for _name in compat.NOT_SUPPORTED:
+    setattr(Accelerator, _name, compat.not_supported(_name))
+
+NOT_SUPPORTED = tuple(compat.NOT_SUPPORTED)
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Free every unsharded FSDP2 parameter of ``model`` (the state after an eval forward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _fsdp2_plugin() -> FullyShardedDataParallelPlugin:
+    """The plugin accelerate's inherited members consult (`is_fsdp2`, `get_state_dict`, `no_sync`)."""
+    with compat.accelerate_switches_off():
+        return FullyShardedDataParallelPlugin(fsdp_version=2)
+
+
+def _check_no_stale_state(world_size: int) -> None:
+    """accelerate's process state may exist already (a `PartialState()` made before the Accelerator).
+    If it was built without this job's processes, every accelerate collective would be a no-op."""
+    state = accelerate.PartialState._shared_state
+    if state and state.get("num_processes", world_size) != world_size:
+        raise RuntimeError(
+            f"accelerate's PartialState was created before hyperacc.Accelerator and sees "
+            f"{state.get('num_processes')} process(es) in a job of {world_size}. Create the Accelerator "
+            "first (or pass cpu=True to PartialState on a CPU-only machine).")
 
 
 def prepare(*objects):

@@ -6,14 +6,14 @@ and data-parallel ranks), so that the summed gradients equal those of the global
 multiplied by the DP size to cancel the average FSDP2 takes when it reduces gradients. The token
 total costs one all-reduce per step.
 
-Accelerate-compatible mode (`accumulate(model)` with `gradient_accumulation_steps=k`): count
-micro-steps, synchronise on every k-th (and at the end of the loader), divide the loss by k.
+Accelerate-compatible mode (`accumulate(model)` with `gradient_accumulation_steps=k`) is
+accelerate's own: the Accelerator inherits it (FSDP2's sync flag set through `no_sync`).
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Iterator, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,23 +59,18 @@ class GradientAccumulator:
     """Owns the per-step accumulation state; the Accelerator forwards `accumulate`/`backward` here."""
 
     def __init__(self, *, device: torch.device, dp_size: int, group, fsdp: FSDPConfig,
-                 gradient_accumulation_steps: int = 1):
-        if gradient_accumulation_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
+                 on_sync_change: Callable[[bool], None] = lambda _value: None):
         self.device = device
         self.dp_size = dp_size
         self.group = group
         self.fsdp = fsdp
-        self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.sync_gradients = True
+        self._on_sync_change = on_sync_change   # mirrors sync_gradients into accelerate's GradientState
         self.in_step = False
         self.step_tokens = 0            # valid label tokens of the last step, all DP ranks
         self.step_samples = 0           # samples of the last step, all DP ranks
         self.step_loss: Optional[float] = None  # global token-mean loss of the last step
         self._micro_tokens = 0
         self._loss_sum = None
-        self._micro_steps = 0
-        self.end_of_dataloader = False
 
     # ----------------------------------------------------------------- step mode
     @contextlib.contextmanager
@@ -88,12 +83,12 @@ class GradientAccumulator:
         self.step_tokens, self.step_samples = int(totals[0]), int(totals[1])
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.in_step = True
-        self.sync_gradients = False
+        self._on_sync_change(False)
         try:
             yield _MicroBatches(self, models, batch, tokens)
         finally:
             self.in_step = False
-            self.sync_gradients = True
+            self._on_sync_change(True)
             _set_sync(models, reduce_now=True, all_reduce_now=True, reshard_now=True)
         loss_sum = self._all_reduce(self._loss_sum.detach().reshape(1).cpu())
         self.step_loss = float(loss_sum[0]) / self.step_tokens if self.step_tokens else 0.0
@@ -103,7 +98,7 @@ class GradientAccumulator:
         every = self.fsdp.reduce_every_micro_batch
         _set_sync(models, reduce_now=is_last or every, all_reduce_now=is_last,
                   reshard_now=is_last or self.fsdp.reshard_after_forward)
-        self.sync_gradients = is_last
+        self._on_sync_change(is_last)
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.dp_size > 1:
@@ -126,21 +121,6 @@ class GradientAccumulator:
                              "drop such samples or pack sequences so every micro-batch has labels.")
         self._loss_sum = self._loss_sum + loss.detach().to(torch.float64) * tokens
         return loss * (tokens * self.dp_size / total)
-
-    # ------------------------------------------------------ accelerate-compatible mode
-    @contextlib.contextmanager
-    def micro_step(self, models) -> Iterator[None]:
-        self._micro_steps += 1
-        k = self.gradient_accumulation_steps
-        self.sync_gradients = self._micro_steps % k == 0 or self.end_of_dataloader
-        if self.sync_gradients:
-            self._micro_steps = 0
-        _set_sync(models, reduce_now=self.sync_gradients, all_reduce_now=self.sync_gradients,
-                  reshard_now=self.sync_gradients or self.fsdp.reshard_after_forward)
-        yield
-
-    def scale_micro_step_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss / self.gradient_accumulation_steps
 
 
 class _MicroBatches:

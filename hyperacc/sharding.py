@@ -69,6 +69,12 @@ def shard_model(model: nn.Module, fsdp_mesh, config: FSDPConfig, device: torch.d
                          "Prepare each model once and keep the returned object.")
     names = block_classes(model, config.wrap_classes)
     blocks = find_blocks(model, names)
+    if not blocks and config.wrap_classes and block_classes(model, None):
+        # e.g. a launch config naming another model's block: the model's own blocks are the safe unit.
+        warnings.warn(f"No module of class {names} found in {type(model).__name__}: wrapping its own "
+                      f"blocks {block_classes(model, None)} (from _no_split_modules) instead.", stacklevel=2)
+        names = block_classes(model, None)
+        blocks = find_blocks(model, names)
     if not blocks:
         warnings.warn(f"No module of class {names or '(none given)'} found in {type(model).__name__}: "
                       "sharding the whole model as one unit (more memory). Set FSDPConfig.wrap_classes "

@@ -104,7 +104,7 @@ def test_accelerate_mode_matches_plain_loop(acc):
             ref_opt.step()
             ref_opt.zero_grad()
 
-    acc.accumulator.gradient_accumulation_steps = k
+    acc.gradient_accumulation_steps = k
     try:
         model = build_causal_lm(qwen3_moe_config(), seed=11)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -120,7 +120,7 @@ def test_accelerate_mode_matches_plain_loop(acc):
                 optimizer.step()
                 optimizer.zero_grad()
     finally:
-        acc.accumulator.gradient_accumulation_steps = 1
+        acc.gradient_accumulation_steps = 1
     assert syncs == [False, True, False, True, False, True, True]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):

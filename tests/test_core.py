@@ -162,14 +162,21 @@ def test_cpu_offload_on_cpu_warns_once_and_trains():
     assert sum("cpu_offload" in str(w.message) for w in caught) == 1
 
 
-def test_plain_dataloader_is_sharded_disjointly(acc):
-    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=2, shuffle=True)
-    from hyperacc.wrappers import ShardedDataLoader
-    parts = [list(ShardedDataLoader(loader, dp_rank=r, dp_size=2, seed=3)) for r in range(2)]
-    seen = [int(x) for part in parts for batch in part for x in batch]
-    assert sorted(seen) == list(range(10))
-    again = list(ShardedDataLoader(loader, dp_rank=0, dp_size=2, seed=3))
-    assert [b.tolist() for b in again] == [b.tolist() for b in parts[0]]
+def test_plain_dataloader_is_prepared_by_accelerate_and_resumes(acc):
+    """A plain DataLoader goes through accelerate's prepare_data_loader; its position survives a
+    state_dict round trip: the restored loader yields exactly the batches the original had left."""
+    from accelerate.data_loader import DataLoaderShard
+    data = list(range(10))
+    loader = acc.prepare(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
+    assert isinstance(loader.base_loader, DataLoaderShard)
+    it = iter(loader)
+    first = [next(it).tolist() for _ in range(2)]
+    state = loader.state_dict()
+    rest = [b.tolist() for b in it]
+    assert sorted(x for b in first + rest for x in b) == data
+    again = acc.prepare(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
+    again.load_state_dict(state)
+    assert [b.tolist() for b in again] == rest
 
 
 def test_module_level_prepare():

@@ -8,7 +8,7 @@ import pytest
 from dist_utils import REPO, _env
 
 README = (REPO / "README.md").read_text()
-SECTIONS = ["Quick start", "The micro-batch dataloader", "Checkpoints",
+SECTIONS = ["Quick start", "Coming from accelerate", "The micro-batch dataloader", "Checkpoints",
             "Configuration: YAML + typed command-line overrides", "Step metrics"]
 
 

@@ -1,0 +1,79 @@
+"""accelerate-compatible extras of a checkpoint: objects registered with `register_for_checkpointing`
+and the `<project_dir>/checkpoints/checkpoint_<i>` naming of `ProjectConfiguration`.
+
+Registered objects are written as accelerate writes them (`custom_checkpoint_<i>.pkl`, a state dict
+saved by the main process) but read back with `weights_only=True`: a checkpoint never runs code.
+Automatic naming prunes old `checkpoint_<i>` directories for `total_limit`, but never a symlink.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from typing import List, Optional
+
+import torch
+
+logger = logging.getLogger("hyperacc.checkpoint")
+_AUTOMATIC = re.compile(r"^checkpoint_(\d+)$")
+
+
+def _path(directory: str, index: int) -> str:
+    return os.path.join(directory, f"custom_checkpoint_{index}.pkl")
+
+
+def save(objects: List, directory: str, *, is_main: bool) -> None:
+    if not is_main:
+        return
+    for index, obj in enumerate(objects):
+        tmp = _path(directory, index) + ".tmp"
+        torch.save(obj.state_dict(), tmp)
+        os.replace(tmp, _path(directory, index))
+
+
+def load(objects: List, directory: str) -> None:
+    found = sorted(name for name in os.listdir(directory) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", name))
+    if len(found) != len(objects):
+        raise RuntimeError(
+            f"{directory} holds {len(found)} custom checkpoint(s) but {len(objects)} object(s) are registered "
+            "with register_for_checkpointing: register the same objects, in the same order, as the saving run.")
+    for index, obj in enumerate(objects):
+        obj.load_state_dict(torch.load(_path(directory, index), map_location="cpu", weights_only=True))
+
+
+def _automatic_dirs(root: str) -> List[tuple]:
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _AUTOMATIC.match(name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def next_automatic_dir(project_dir: str, iteration: int, total_limit: Optional[int], *, is_main: bool) -> str:
+    """``<project_dir>/checkpoints/checkpoint_<iteration>``, after pruning to ``total_limit - 1`` old ones."""
+    root = os.path.join(project_dir, "checkpoints")
+    target = os.path.join(root, f"checkpoint_{iteration}")
+    if os.path.exists(target):
+        raise ValueError(f"Checkpoint directory {target} already exists: set "
+                         "accelerator.project_configuration.iteration to the next free number.")
+    existing = _automatic_dirs(root)
+    if is_main and total_limit is not None and len(existing) + 1 > total_limit:
+        for _, path in existing[: len(existing) + 1 - total_limit]:
+            if os.path.islink(path):
+                logger.warning("total_limit: %s is a symlink; it is left alone (hyperacc never deletes "
+                               "through a link).", path)
+                continue
+            shutil.rmtree(path)
+    return target
+
+
+def newest_automatic_dir(project_dir: str) -> Optional[str]:
+    found = _automatic_dirs(os.path.join(project_dir, "checkpoints"))
+    if not found:
+        raise ValueError(f"No checkpoint_<i> directory under {os.path.join(project_dir, 'checkpoints')}: "
+                         "nothing to load (pass a path to load_state).")
+    return found[-1][1]

@@ -1,0 +1,138 @@
+"""accelerate's constructor arguments, translated into hyperacc's configs.
+
+An accelerate script passes `fsdp_plugin=`, `parallelism_config=`, `mixed_precision=`, `cpu=`,
+`deepspeed_plugin=` ... to its `Accelerator`. hyperacc honours each with accelerate's meaning where
+it can (the FSDP plugin and the parallelism config become `FSDPConfig` / `ParallelConfig`) and
+refuses the rest with one error that names the argument, instead of a `TypeError` or a silent
+difference. The list of accelerate members hyperacc does not implement lives here too, so that the
+README, the member test and the `Accelerator` read one list.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from hyperacc.config import FSDPConfig, ParallelConfig
+
+# accelerate.Accelerator members that raise NotImplementedError on hyperacc, each with the reason.
+NOT_SUPPORTED = {
+    "lomo_backward": "LOMO fuses the optimizer into backward; hyperacc's optimizers step on FSDP2 shards.",
+    "deepspeed_ulysses_dl_adapter": "DeepSpeed is not supported: hyperacc shards with FSDP2.",
+    "register_save_state_pre_hook": "hyperacc saves models with torch DCP, not as a list of weights a hook "
+                                    "could edit; use register_for_checkpointing for extra objects.",
+    "register_load_state_pre_hook": "hyperacc loads models with torch DCP, not as a list of weights a hook "
+                                    "could edit; use register_for_checkpointing for extra objects.",
+}
+
+# Launch-environment switches that would make accelerate's own __init__ build a second FSDP plugin,
+# device mesh or DeepSpeed engine. hyperacc reads their settings itself (config.from_environment).
+_ACCELERATE_SWITCHES = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_DEEPSPEED",
+                        "ACCELERATE_USE_MEGATRON_LM")
+
+
+def not_supported(name: str):
+    """A stand-in member that raises, naming the member and why."""
+    def refuse(*_args, **_kwargs):
+        raise NotImplementedError(f"Accelerator.{name} is not supported by hyperacc: {NOT_SUPPORTED[name]}")
+    refuse.__name__ = name
+    refuse.__doc__ = f"Not supported by hyperacc: {NOT_SUPPORTED[name]}"
+    return refuse
+
+
+@contextlib.contextmanager
+def accelerate_switches_off():
+    """Hide the FSDP/DeepSpeed/parallelism switches from accelerate's __init__ (restored after)."""
+    saved = {name: os.environ.pop(name) for name in _ACCELERATE_SWITCHES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def refuse_unsupported_plugins(*, deepspeed_plugin=None, deepspeed_plugins=None, megatron_lm_plugin=None,
+                               torch_tp_plugin=None) -> None:
+    """One clear error per accelerate backend hyperacc replaces, before any process group exists."""
+    if deepspeed_plugin is not None or deepspeed_plugins is not None or \
+            os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise NotImplementedError(
+            "deepspeed_plugin: DeepSpeed is not supported by hyperacc, which shards with FSDP2. Drop the "
+            "DeepSpeed plugin/config (ZeRO-3 ~ FSDPConfig(reshard_after_forward=True), offload ~ "
+            "FSDPConfig(cpu_offload=True)), or use accelerate.Accelerator for DeepSpeed.")
+    if megatron_lm_plugin is not None or os.environ.get("ACCELERATE_USE_MEGATRON_LM", "false").lower() == "true":
+        raise NotImplementedError("megatron_lm_plugin: Megatron-LM training is not supported by hyperacc; "
+                                  "use ParallelConfig for its mesh and FSDP2.")
+    if torch_tp_plugin is not None:
+        raise NotImplementedError("torch_tp_plugin: pass the sizes as parallelism_config=ParallelismConfig("
+                                  "tp_size=...) or hyperacc.ParallelConfig(tp_size=...) instead.")
+
+
+def _mixed_precision_name(policy) -> Optional[str]:
+    """accelerate's FSDP plugin mixed-precision policy (object, dict or string) -> 'bf16'/'fp16'/None."""
+    if policy is None:
+        return None
+    if isinstance(policy, str):
+        return None if policy == "no" else policy
+    dtype = policy.get("param_dtype") if isinstance(policy, dict) else getattr(policy, "param_dtype", None)
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", "bf16": "bf16", "fp16": "fp16"}.get(dtype)
+
+
+def fsdp_config_from_plugin(plugin) -> FSDPConfig:
+    """Map an accelerate `FullyShardedDataParallelPlugin` onto hyperacc's FSDPConfig.
+
+    Only the fields FSDP2 has a meaning for are read; every one of them counts as explicit (so it
+    beats the launch environment, as the plugin does in accelerate).
+    """
+    if getattr(plugin, "fsdp_version", 2) == 1:
+        warnings.warn("fsdp_plugin has fsdp_version=1: hyperacc always shards with FSDP2 (fully_shard); "
+                      "its FSDP1-only fields (sharding_strategy, backward_prefetch, ...) are ignored.")
+    fields = {}
+    reshard = getattr(plugin, "reshard_after_forward", None)
+    if isinstance(reshard, bool):
+        fields["reshard_after_forward"] = reshard
+    offload = getattr(plugin, "cpu_offload", None)
+    if offload is not None:
+        fields["cpu_offload"] = type(offload).__name__ == "CPUOffloadPolicy" or getattr(offload, "offload_params", False)
+    if getattr(plugin, "activation_checkpointing", None) is not None:
+        fields["activation_checkpointing"] = bool(plugin.activation_checkpointing)
+    names = getattr(plugin, "transformer_cls_names_to_wrap", None)
+    if names:
+        fields["wrap_classes"] = list(names) if not isinstance(names, str) else [names]
+    precision = _mixed_precision_name(getattr(plugin, "mixed_precision_policy", None))
+    if precision is not None:
+        fields["mixed_precision"] = precision
+    return FSDPConfig(**fields)
+
+
+def parallel_config_from_accelerate(config) -> ParallelConfig:
+    """Map an accelerate `ParallelismConfig` onto hyperacc's ParallelConfig."""
+    if getattr(config, "sp_size", 1) not in (None, 1):
+        raise NotImplementedError("parallelism_config.sp_size > 1: sequence parallelism is not supported by "
+                                  "hyperacc yet; set sp_size=1.")
+    fields = {name: getattr(config, name) for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+              if getattr(config, name, None) is not None}
+    return ParallelConfig(**fields)
+
+
+def with_mixed_precision(fsdp: FSDPConfig, mixed_precision: Optional[str]) -> FSDPConfig:
+    """accelerate's `mixed_precision=` argument becomes FSDP2's param dtype unless set there already."""
+    if mixed_precision is None or "mixed_precision" in getattr(fsdp, "_explicit", ()):
+        return fsdp
+    name = str(getattr(mixed_precision, "value", mixed_precision)).lower()
+    if name == "fp8":
+        raise NotImplementedError("mixed_precision='fp8' is not supported by hyperacc; use 'bf16'.")
+    fsdp.mixed_precision = None if name == "no" else name
+    fsdp._explicit = set(getattr(fsdp, "_explicit", ())) | {"mixed_precision"}
+    fsdp.__post_init__()
+    return fsdp
+
+
+def warn_dynamo(dynamo_backend=None, dynamo_plugin=None) -> None:
+    backend = dynamo_backend if dynamo_backend is not None else getattr(dynamo_plugin, "backend", None)
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND") if backend is None else backend
+    if backend is not None and str(getattr(backend, "value", backend)).upper() not in ("NO", "NONE"):
+        warnings.warn(f"dynamo_backend={backend!r}: hyperacc does not compile the model in prepare(); call "
+                      "torch.compile on the model (or its blocks) yourself before prepare().")

@@ -1,0 +1,133 @@
+"""A plain DataLoader prepared by accelerate, plus the position a checkpoint needs to resume it.
+
+`prepare()` hands a plain `torch.utils.data.DataLoader` to accelerate's own `prepare_data_loader`
+(same sharding, device placement, `even_batches`, RNG synchronisation and `gather_for_metrics`
+bookkeeping as under accelerate) and wraps the result in `ResumableLoader`, which records where the
+current epoch stands: the epoch index, the batches already yielded in it, and the random state
+that decided the epoch's order (sampler generator, global torch RNG) when it began. `save_state()` stores that; after `load_state()` the next
+iteration replays the same epoch order and skips the batches already trained on, so a resumed run
+sees exactly the batches an uninterrupted one would.
+
+Scripts written for accelerate skip batches themselves after `load_state`
+(`accelerator.skip_first_batches(loader, n)`). When such a call follows a restore, the explicit
+count is used instead of the restored one, never both: see `skip_first_batches`.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+
+class ResumableLoader:
+    """Proxy around accelerate's `DataLoaderShard` / `DataLoaderDispatcher` (all attributes pass through)."""
+
+    def __init__(self, loader):
+        self.base_loader = loader
+        self._batches_in_epoch = 0
+        self._epoch_start: Optional[dict] = None   # random state when the current epoch began
+        self._pending: Optional[dict] = None   # restored position, applied by the next __iter__
+
+    # ------------------------------------------------------------------ iteration
+    @property
+    def epoch(self) -> int:
+        """Index of the current epoch (accelerate's `iteration`: epochs finished so far)."""
+        return int(getattr(self.base_loader, "iteration", 0))
+
+    def __len__(self) -> int:
+        return len(self.base_loader)
+
+    def __iter__(self):
+        replay = self._pending
+        self._pending = None
+        if replay is not None:
+            self.base_loader.iteration = int(replay["epoch"])
+        self._epoch_start = replay.get("random_state") if replay is not None else self._random_state()
+        skip = int(replay["batches"]) if replay is not None else 0
+        self._batches_in_epoch = skip
+        previous_skip = getattr(self.base_loader, "skip_batches", 0)
+        self.base_loader.skip_batches = skip
+        try:
+            batches = iter(self.base_loader)
+            if replay is not None:
+                batches = self._replayed(batches, replay)
+            for batch in batches:
+                self._batches_in_epoch += 1
+                yield batch
+            self._batches_in_epoch = 0   # epoch finished: the next position is the next epoch's start
+        finally:
+            self.base_loader.skip_batches = previous_skip
+
+    def _random_state(self) -> dict:
+        """What decides an epoch's order: the sampler's generator and the global torch RNG (a
+        sampler without a generator, and the DataLoader's worker seed, draw from it)."""
+        generator = self._generator()
+        return {"torch": torch.get_rng_state(), "generator": generator.get_state() if generator is not None else None}
+
+    def _replayed(self, batches, replay: dict):
+        """Start the epoch from the random state it had when it first began, then give the global
+        RNG back the state the checkpoint restored (the draws made at epoch start are in it)."""
+        restored = torch.get_rng_state()
+        start = replay.get("random_state") or {}
+        if start.get("torch") is not None:
+            torch.set_rng_state(start["torch"])
+        generator = self._generator()
+        if generator is not None and start.get("generator") is not None:
+            generator.set_state(start["generator"])
+        try:
+            first = next(batches)
+        except StopIteration:
+            return
+        finally:
+            torch.set_rng_state(restored)
+        yield first
+        yield from batches
+
+    def _generator(self) -> Optional[torch.Generator]:
+        return getattr(self.base_loader, "synchronized_generator", None)
+
+    # ------------------------------------------------------------------ checkpoint
+    def _stateful(self) -> bool:
+        return bool(getattr(self.base_loader, "use_stateful_dataloader", False))
+
+    def state_dict(self) -> dict:
+        if self._stateful():
+            return {"stateful": self.base_loader.state_dict()}
+        return {"epoch": self.epoch, "batches": self._batches_in_epoch, "random_state": self._epoch_start,
+                "length": len(self.base_loader)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "stateful" in state:
+            self.base_loader.load_state_dict(state["stateful"])
+            return
+        if state.get("length") is not None and int(state["length"]) != len(self.base_loader):
+            raise ValueError(
+                f"The checkpoint's train DataLoader had {state['length']} batches per epoch, this one has "
+                f"{len(self.base_loader)}: its position cannot be restored exactly. Keep the dataset, batch "
+                "size and number of data-parallel processes of the saved run, or start from step 0.")
+        self._pending = dict(state)
+        self.base_loader.iteration = int(state["epoch"])
+
+    def skip_first_batches(self, num_batches: int):
+        """accelerate's `skip_first_batches`, aware of a position restored by `load_state`.
+
+        After a restore, an explicit count replaces the restored one (the order of the epoch is still
+        the restored one); without a restore it is exactly accelerate's function.
+        """
+        if self._pending is None:
+            from accelerate.data_loader import skip_first_batches
+
+            return skip_first_batches(self.base_loader, num_batches=num_batches)
+        if int(self._pending["batches"]) != int(num_batches):
+            warnings.warn(
+                f"skip_first_batches({num_batches}) after load_state restored the loader at batch "
+                f"{self._pending['batches']} of epoch {self._pending['epoch']}: using your count. "
+                "hyperacc restores the position itself, so the call is not needed.")
+            self._pending["batches"] = int(num_batches)
+        return self
+
+    def __getattr__(self, name):
+        if name == "base_loader":        # not yet set (e.g. during unpickling)
+            raise AttributeError(name)
+        return getattr(self.base_loader, name)
