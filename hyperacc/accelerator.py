@@ -31,7 +31,7 @@ from hyperacc.accumulation import GradientAccumulator
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig, from_environment
 from hyperacc.mesh import build_mesh
 from hyperacc.progress import Progress
-from hyperacc.sharding import shard_model
+from hyperacc.sharding import broadcast_from_rank0, rank0_only_weights_expected, shard_model
 from hyperacc.wrappers import ParameterMap, PreparedScheduler, rebind_optimizer
 
 DEFAULT_SEED = 42
@@ -78,6 +78,7 @@ class Accelerator(accelerate.Accelerator):
         compat.refuse_unsupported_plugins(deepspeed_plugin=deepspeed_plugin, deepspeed_plugins=deepspeed_plugins,
                                           megatron_lm_plugin=megatron_lm_plugin, torch_tp_plugin=torch_tp_plugin)
         compat.warn_dynamo(dynamo_backend, dynamo_plugin)
+        compat.warn_split_batches(split_batches)
         if parallel is None and parallelism_config is not None:
             parallel = compat.parallel_config_from_accelerate(parallelism_config)
         if fsdp is None and fsdp_plugin is not None:
@@ -171,6 +172,8 @@ class Accelerator(accelerate.Accelerator):
         if any(model is seen for seen in self._models):
             raise ValueError("prepare() was called twice on the same model. Prepare each model once "
                              "and keep using the object it returned.")
+        if self.num_processes > 1 and rank0_only_weights_expected():
+            broadcast_from_rank0(model, self.device)
         originals = dict(model.named_parameters())
         shard_model(model, self._mesh.fsdp_mesh, self.fsdp_config, self.device, self.seed)
         self._params.record(model, originals)

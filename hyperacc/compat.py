@@ -136,3 +136,9 @@ def warn_dynamo(dynamo_backend=None, dynamo_plugin=None) -> None:
     if backend is not None and str(getattr(backend, "value", backend)).upper() not in ("NO", "NONE"):
         warnings.warn(f"dynamo_backend={backend!r}: hyperacc does not compile the model in prepare(); call "
                       "torch.compile on the model (or its blocks) yourself before prepare().")
+
+
+def warn_split_batches(split_batches) -> None:
+    if split_batches is not None:
+        warnings.warn("split_batches= is ignored (as by accelerate 1.15, which moved it): pass "
+                      "dataloader_config=DataLoaderConfiguration(split_batches=...) instead.")

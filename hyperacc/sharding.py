@@ -157,3 +157,32 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
         for key, tensor in module._buffers.items():
             if tensor is not None:
                 _copy_into(tensor, full._buffers[key])
+
+
+def rank0_only_weights_expected() -> bool:
+    """transformers' `from_pretrained` under an `accelerate launch` FSDP config with
+    `fsdp_cpu_ram_efficient_loading` (the launcher's default) loads the weights on rank 0 only and
+    leaves the model on the meta device elsewhere."""
+    import os
+
+    flag = lambda name: os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")  # noqa: E731
+    return flag("ACCELERATE_USE_FSDP") and flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
+
+
+def broadcast_from_rank0(model: nn.Module, device: torch.device, group=None) -> None:
+    """Give every rank rank 0's weights (as accelerate's `sync_module_states` does) when rank 0 has
+    real weights and some rank does not; a model on the meta device everywhere is left to be
+    initialised after sharding."""
+    import torch.distributed as dist
+
+    on_meta = torch.tensor([float(any(t.is_meta for t in [*model.parameters(), *model.buffers()]))])
+    flags = [torch.zeros(1) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(flags, on_meta, group=group)
+    if flags[0].item() or not any(f.item() for f in flags):
+        return
+    if on_meta.item():
+        model.to_empty(device=device)
+    else:
+        model.to(device)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=0, group=group)
