@@ -23,11 +23,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO, run_accelerate, run_python
+from dist_utils import REPO, _env, free_port
 
 SCRIPTS_DIR = REPO / "tests" / "accel_scripts"
 FSDP2_CONFIG = REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
@@ -54,20 +57,65 @@ SCRIPTS = {
 _RUNS: dict = {}
 
 
+# After a script has printed its last METRIC line ("done", just before end_training), how long its
+# processes get to exit. accelerate's DDP over gloo can deadlock at interpreter exit: the DDP reducer
+# holds the last reference to the gloo process group, whose destructor joins a gloo thread that
+# waits for the GIL held by the destructor's caller (seen here on 2 of 7 reference launches). A
+# reference run that finished and then hung is accepted (its workers are killed); a hyperacc run
+# must exit by itself.
+EXIT_GRACE_S = 45
+
+
+class Launch:
+    """A finished (or killed) command: returncode, stdout, stderr, hung_at_exit."""
+
+    def __init__(self, cmd, env, log_dir: Path, timeout: int):
+        import psutil
+
+        out_path, err_path = log_dir / "stdout.txt", log_dir / "stderr.txt"
+        with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
+            proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=out_f, stderr=err_f, text=True)
+            start, done_at, self.hung_at_exit, self.timed_out = time.monotonic(), None, False, False
+            while proc.poll() is None:
+                time.sleep(0.5)
+                if done_at is None and '"kind": "done"' in out_path.read_text():
+                    done_at = time.monotonic()
+                late = done_at is not None and time.monotonic() - done_at > EXIT_GRACE_S
+                if late or time.monotonic() - start > timeout:
+                    self.hung_at_exit, self.timed_out = late, not late
+                    # torchrun puts each worker in a session of its own: kill the whole tree by pid.
+                    tree = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+                    for pid in reversed(tree):
+                        try:
+                            os.kill(pid, 9)
+                        except ProcessLookupError:
+                            pass
+                    proc.wait()
+                    break
+        self.returncode = proc.returncode
+        self.stdout, self.stderr = out_path.read_text(), err_path.read_text()
+
+
 class Run:
     """One finished run of a client script: its exit code, output and parsed METRIC lines."""
 
-    def __init__(self, proc, out: Path, command: str):
-        self.proc, self.out, self.command = proc, out, command
+    def __init__(self, proc: Launch, out: Path, command: str, impl: str):
+        self.proc, self.out, self.command, self.impl = proc, out, command, impl
         self.metrics = []
         for line in proc.stdout.splitlines():
             if line.startswith("METRIC "):
                 self.metrics.append(json.loads(line[len("METRIC "):]))
 
     def ok(self):
-        assert self.proc.returncode == 0, (
-            f"{self.command} exited {self.proc.returncode}\n--- stdout (tail) ---\n{self.proc.stdout[-3000:]}"
-            f"\n--- stderr (tail) ---\n{self.proc.stderr[-6000:]}")
+        p = self.proc
+        tails = f"\n--- stdout (tail) ---\n{p.stdout[-3000:]}\n--- stderr (tail) ---\n{p.stderr[-6000:]}"
+        assert not p.timed_out, f"{self.command} did not finish within its time limit{tails}"
+        if p.hung_at_exit and self.impl == "accelerate":
+            return self      # the reference finished its work; see EXIT_GRACE_S
+        assert not p.hung_at_exit, (f"{self.command} finished its work but did not exit within {EXIT_GRACE_S} s "
+                                    f"(hang at exit){tails}")
+        assert p.returncode == 0, f"{self.command} exited {p.returncode}{tails}"
+        assert self.of("done"), f"{self.command} exited 0 without reaching its end{tails}"
         return self
 
     def of(self, kind):
@@ -88,18 +136,20 @@ def run_script(name, impl, nproc, base: Path, extra=(), tag="", args=None):
     out.mkdir(parents=True, exist_ok=True)
     script_args = [a.format(out=out) for a in (SCRIPTS.get(name, []) if args is None else args)]
     script_args += ["--output_dir", str(out), *[a.format(out=out) for a in extra]]
-    env = {"ACCEL_IMPL": impl, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    env = _env({"ACCEL_IMPL": impl, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
+    env.pop("ACCELERATE_USE_CPU", None)
     script = SCRIPTS_DIR / f"{name}.py"
     if nproc == 1:
-        proc = run_python(script, script_args, env=env, timeout=600, check=False)
+        cmd = [sys.executable, str(script), *script_args]
         command = f"ACCEL_IMPL={impl} python {script.relative_to(REPO)} {' '.join(script_args)}"
     else:
         if impl == "accelerate":
             env["ACCELERATE_USE_CPU"] = "true"       # accelerate's own multi-process CPU mode: DDP over gloo
-        proc = run_accelerate(script, FSDP2_CONFIG, script_args, env=env, timeout=600, check=False)
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2_CONFIG),
+               "--main_process_port", str(free_port()), str(script), *script_args]
         command = (f"ACCEL_IMPL={impl}{' ACCELERATE_USE_CPU=true' if impl == 'accelerate' else ''} accelerate launch "
                    f"--config_file {FSDP2_CONFIG.relative_to(REPO)} {script.relative_to(REPO)} {' '.join(script_args)}")
-    run = Run(proc, out, command)
+    run = Run(Launch(cmd, env, out, timeout=600), out, command, impl)
     _RUNS[key] = run
     return run
 
@@ -342,8 +392,8 @@ def test_save_model_loads_with_from_pretrained_two_processes(dist_checks):
 def test_member_coverage():
     """Every public member of accelerate.Accelerator exists on hyperacc.Accelerator; each name on
     hyperacc.accelerator.NOT_SUPPORTED raises NotImplementedError naming it."""
-    proc = run_python(SCRIPTS_DIR / "member_probe.py", env={"HF_DATASETS_DISABLE_PROGRESS_BARS": "1"},
-                      timeout=300, check=False)
+    proc = subprocess.run([sys.executable, str(SCRIPTS_DIR / "member_probe.py")], env=_env(), cwd=str(REPO),
+                          capture_output=True, text=True, timeout=300)
     lines = [json.loads(line[len("METRIC "):]) for line in proc.stdout.splitlines() if line.startswith("METRIC ")]
     assert proc.returncode == 0 and lines, f"member probe failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
     probe = lines[0]

@@ -133,6 +133,7 @@ def training_function(config, args):
             if args.output_dir is not None:
                 output_dir = os.path.join(args.output_dir, output_dir)
             accelerator.save_state(output_dir)
+    report(accelerator, kind="done")
     accelerator.end_training()
 
 

@@ -198,6 +198,7 @@ def training_function(config, args):
                 output_dir = os.path.join(args.output_dir, output_dir)
             accelerator.save_state(output_dir)
 
+    report(accelerator, kind="done")
     accelerator.end_training()
 
 

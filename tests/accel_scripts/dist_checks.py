@@ -91,6 +91,7 @@ def main():
            num_processes=accelerator.num_processes)
     train_and_save(accelerator, args.output_dir, args.steps)
     gather_checks(accelerator)
+    report(accelerator, kind="done")
     accelerator.end_training()
 
 

@@ -81,6 +81,7 @@ def training_function(config, args):
         eval_metric = metric.compute()
         accelerator.print(f"epoch {epoch}:", eval_metric)
         report(accelerator, kind="eval", epoch=epoch, eval_dataset_len=len(eval_dataloader.dataset), **eval_metric)
+    report(accelerator, kind="done")
     accelerator.end_training()
 
 

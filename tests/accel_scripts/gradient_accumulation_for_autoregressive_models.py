@@ -159,6 +159,7 @@ def training_function(config, args):
         accelerator.print(f"epoch {epoch}:: eval perplexity: {perplexity} eval_loss: {eval_loss}")
         report(accelerator, kind="eval", epoch=epoch, perplexity=perplexity, eval_loss=eval_loss.item(),
                num_samples=len(losses))
+    report(accelerator, kind="done")
     accelerator.end_training()
 
 

@@ -87,6 +87,7 @@ def training_function(config, args):
                    eval_dataset_len=len(eval_dataloader.dataset), **eval_metric)
 
     inner_training_loop()
+    report(accelerator, kind="done")
     accelerator.end_training()
 
 

@@ -325,6 +325,7 @@ def main():
             tokenizer.save_pretrained(args.output_dir)
             with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
                 json.dump({"perplexity": perplexity}, f)
+    report(accelerator, kind="done")
 
 
 if __name__ == "__main__":

@@ -111,6 +111,7 @@ def training_function(config, args):
                 step=epoch,
             )
 
+    report(accelerator, kind="done")
     accelerator.end_training()
 
 
