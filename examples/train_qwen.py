@@ -12,12 +12,14 @@ below is all there is to the training itself.
 """
 import os
 import sys
+import time
 
 # Make `import hyperacc` work from a source checkout without installing it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hyperacc.cli_config import ConfigError, TrainConfig, format_config, parse_config, save_config  # noqa: E402
 
+LINGER_S = 3.0   # see _exit_with
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3_moe_tiny.yaml")
 
 
@@ -305,6 +307,10 @@ def _exit_with(prefix, err, code):
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - leaving anyway
         pass
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun stops the other workers as soon as one exits: linger so that a rank a little
+        # behind reaches, and prints, the same line instead of being killed silently.
+        time.sleep(LINGER_S)
     sys.exit(code)
 
 
