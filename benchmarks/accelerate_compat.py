@@ -30,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -117,12 +118,38 @@ def launch(impl: str, nproc: int, args) -> dict:
             env["ACCELERATE_USE_CPU"] = "true"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG),
                "--main_process_port", str(_free_port()), *worker_args]
-    proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
+    stdout, stderr, code, hung = _run_until_result(cmd, env)
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = (proc.stdout[-1500:] + proc.stderr[-2500:]).strip().splitlines()
-    return {"impl": impl, "num_processes": nproc, "failed": f"exit {proc.returncode}", "tail": tail[-6:]}
+            return {**json.loads(line[len("RESULT "):]), "hung_at_exit": hung}
+    tail = (stdout[-1500:] + stderr[-2500:]).strip().splitlines()
+    return {"impl": impl, "num_processes": nproc, "failed": f"exit {code}", "tail": tail[-6:]}
+
+
+def _run_until_result(cmd, env, grace_s: float = 45.0):
+    """Run cmd; once it has printed its RESULT line, give it grace_s to exit, then kill its process tree
+    (DDP over gloo can deadlock at interpreter exit; torchrun workers live in sessions of their own)."""
+    import psutil
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path, err_path = Path(tmp) / "out", Path(tmp) / "err"
+        with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
+            proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=out_f, stderr=err_f)
+            seen, hung = None, False
+            while proc.poll() is None:
+                time.sleep(0.5)
+                if seen is None and "RESULT " in out_path.read_text():
+                    seen = time.monotonic()
+                if seen is not None and time.monotonic() - seen > grace_s:
+                    hung = True
+                    tree = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+                    for pid in reversed(tree):
+                        try:
+                            os.kill(pid, 9)
+                        except ProcessLookupError:
+                            pass
+                    proc.wait()
+        return out_path.read_text(), err_path.read_text(), proc.returncode, hung
 
 
 def main() -> None:
@@ -148,7 +175,8 @@ def main() -> None:
             continue
         rss = " / ".join(f"{m:.0f}" for m in r["peak_rss_mib"])
         print(f"  {impl:10s} {nproc}p  {r['distributed_type']:28s} step {1000 * r['median_step_s']:8.1f} ms  "
-              f"peak RSS per rank {rss} MiB  loss {r['first_loss']:.4f} -> {r['final_loss']:.4f}")
+              f"peak RSS per rank {rss} MiB  loss {r['first_loss']:.4f} -> {r['final_loss']:.4f}"
+              + ("  (hung at exit, killed)" if r.get("hung_at_exit") else ""))
     for nproc in (1, 2):
         a, h = results["accelerate", nproc], results["hyperacc", nproc]
         if "failed" in a or "failed" in h:

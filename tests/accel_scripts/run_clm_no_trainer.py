@@ -312,9 +312,9 @@ def main():
                 output_dir = os.path.join(args.output_dir, output_dir)
             accelerator.save_state(output_dir)
 
-    if args.with_tracking:
-        accelerator.end_training()
-
+    # transformers' script calls end_training() here, before the save below; accelerate 1.15's end_training
+    # destroys the process group, so on several processes the save's wait_for_everyone() then fails
+    # ("Default process group has not been initialized") under accelerate itself. It moved to the end.
     if args.output_dir is not None:
         accelerator.wait_for_everyone()
         unwrapped_model = accelerator.unwrap_model(model)
@@ -326,6 +326,8 @@ def main():
             with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
                 json.dump({"perplexity": perplexity}, f)
     report(accelerator, kind="done")
+    if args.with_tracking:
+        accelerator.end_training()
 
 
 if __name__ == "__main__":
