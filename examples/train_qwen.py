@@ -14,10 +14,12 @@ import os
 import sys
 import time
 
+import yaml
+
 # Make `import hyperacc` work from a source checkout without installing it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hyperacc.cli_config import ConfigError, TrainConfig, format_config, parse_config, save_config  # noqa: E402
+from hyperacc.cli_config import ConfigError, TrainConfig, dump_config, format_config, parse_config  # noqa: E402
 
 LINGER_S = 3.0   # see _exit_with
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3_moe_tiny.yaml")
@@ -67,15 +69,19 @@ def model_config(cfg, vocab_size=None):
 def build_model(cfg, vocab_size=None):
     """On the meta device (random init after sharding), or the pretrained weights when present."""
     import torch
-    from hyperacc.models import build_causal_lm, has_pretrained_weights, load_pretrained
+    from hyperacc.models import build_causal_lm, has_pretrained_weights, load_pretrained, with_router_aux_loss
 
     path = cfg.model.name_or_path
     if path and has_pretrained_weights(path):
         model = load_pretrained(path, dtype=getattr(torch, cfg.model.dtype))
         model.config.use_cache = False
+        model.config = with_router_aux_loss(model.config, cfg.model.router_aux_loss)
         return model
-    return build_causal_lm(model_config(cfg, vocab_size), meta_device=True,
-                           attn_implementation=cfg.model.attn_implementation or "eager")
+    config = model_config(cfg, vocab_size)
+    moe = hasattr(config, "router_aux_loss_coef")
+    return build_causal_lm(config, meta_device=True, attn_implementation=cfg.model.attn_implementation or "eager",
+                           router_aux_loss=cfg.model.router_aux_loss,
+                           experts_implementation=cfg.model.experts_implementation if moe else None)
 
 
 def dry_run(cfg, world_size):
@@ -88,7 +94,7 @@ def dry_run(cfg, world_size):
     try:
         plan = plan_sharding(
             model, world_size=world_size, dp_replicate=cfg.parallel.dp_replicate_size, tp=cfg.parallel.tp_size,
-            cp=cfg.parallel.cp_size, wrap_classes=fsdp.wrap_classes, mixed_precision=fsdp.mixed_precision,
+            cp=cfg.parallel.cp_size, ep=cfg.parallel.ep_size, wrap_classes=fsdp.wrap_classes, mixed_precision=fsdp.mixed_precision,
             cpu_offload=fsdp.cpu_offload, activation_checkpointing=fsdp.activation_checkpointing,
             micro_batch_size=cfg.training.micro_batch_size, seq_len=cfg.data.seq_len,
             eager_attention=cfg.model.attn_implementation in (None, "eager"))
@@ -216,9 +222,8 @@ def train(cfg, tokenizer):
 
     acc = hyperacc.Accelerator(parallel=cfg.parallel, fsdp=cfg.fsdp, checkpoint=cfg.checkpoint, seed=t.seed)
     acc.print(format_config(cfg))
-    if acc.is_main_process and acc.checkpoint_config.save_ckpt:
-        os.makedirs(acc.checkpoint_config.checkpoint_dir, exist_ok=True)
-        save_config(cfg, os.path.join(acc.checkpoint_config.checkpoint_dir, "config.yaml"))
+    # Written atomically into each checkpoint, and as <checkpoint_dir>/config.yaml once a resume is accepted.
+    acc.set_run_config(yaml.safe_dump(dump_config(cfg), sort_keys=False))
 
     # Data, model, optimizer, schedule.
     train_ds, eval_ds = build_data(cfg, acc, tokenizer)
@@ -246,6 +251,7 @@ def train(cfg, tokenizer):
     timer = StepTimer(acc.runtime.device_type)
     checks = StepChecks(acc, validate=validate)   # non-finite steps stop the job in both modes
     max_norm = t.gradient_clipping or float("inf")
+    share = acc.dp_size / acc.num_processes      # tp/cp peers hold the same tokens: count them once
     eval_bs = cfg.eval.eval_batch_size or t.micro_batch_size
 
     def run_eval(step):
@@ -262,9 +268,9 @@ def train(cfg, tokenizer):
             check_token_ids(batch, vocab_size, step + 1, group=acc.runtime.cpu_group)  # host batch, pre-forward
             with acc.accumulate(model, batch) as micro_batches:
                 for i, mb in enumerate(micro_batches):
-                    loss = model(**mb).loss
-                    checks.watch_loss(loss, i)
-                    acc.backward(loss)
+                    outputs = model(**mb)
+                    checks.watch_loss(outputs.loss, i)
+                    acc.backward(outputs.loss, aux_loss=getattr(outputs, "aux_loss", None))
             grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
             checks.check(step + 1, acc.step_loss, grad_norm)      # NaN/Inf: stop before the update
             lr = optimizer.param_groups[0]["lr"]
@@ -273,10 +279,11 @@ def train(cfg, tokenizer):
             optimizer.zero_grad()
             step = acc.progress.global_step
             metrics.log_step(step=step, epoch=epoch, loss=acc.step_loss, grad_norm=grad_norm, lr=lr,
-                             step_time=timer.stop(), tokens=sum(mb["input_ids"].numel() for mb in batch),
-                             samples=sum(len(mb["input_ids"]) for mb in batch),
+                             step_time=timer.stop(), tokens=sum(mb["input_ids"].numel() for mb in batch) * share,
+                             samples=sum(len(mb["input_ids"]) for mb in batch) * share,
                              consumed_tokens=acc.progress.consumed_tokens,
-                             consumed_samples=acc.progress.consumed_samples)
+                             consumed_samples=acc.progress.consumed_samples,
+                             extra=None if acc.step_aux_loss is None else {"aux_loss": acc.step_aux_loss})
             cleanup.maybe_run(step)
             if eval_ds is not None and step % cfg.eval.eval_steps == 0:
                 run_eval(step)

@@ -25,7 +25,7 @@ from accelerate.data_loader import prepare_data_loader
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-from hyperacc import compat
+from hyperacc import compat, parallel
 from hyperacc import runtime as runtime_lib
 from hyperacc.accumulation import GradientAccumulator
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig, from_environment
@@ -119,11 +119,13 @@ class Accelerator(accelerate.Accelerator):
             set_seed(self.seed)
         self.accumulator = GradientAccumulator(
             device=self.device, dp_size=self.dp_size, group=self.runtime.cpu_group, fsdp=self.fsdp_config,
-            on_sync_change=self._set_sync_gradients)
+            on_sync_change=self._set_sync_gradients, same_tokens=self._mesh.same_tokens)
         self.progress = Progress()
         self._params = ParameterMap()
         self._train_loader = None
         self._checkpointer = None
+        if self._checkpoint_policy_configured and self.checkpoint_config.save_ckpt:
+            self._get_checkpointer().lock()   # a second job on this checkpoint_dir fails now, not at its first save
 
     # ------------------------------------------------------------------ identity
     @property
@@ -151,6 +153,11 @@ class Accelerator(accelerate.Accelerator):
         """Global token-mean loss of the last `accumulate(model, batch)` step (same on every rank)."""
         return self.accumulator.step_loss
 
+    @property
+    def step_aux_loss(self) -> Optional[float]:
+        """Token-weighted MoE router aux loss of the last step (None unless passed to `backward`)."""
+        return self.accumulator.step_aux_loss
+
     def _set_sync_gradients(self, value: bool) -> None:
         self.sync_gradients = value     # accelerate's GradientState: read by its optimizer and scheduler
 
@@ -172,10 +179,11 @@ class Accelerator(accelerate.Accelerator):
         if any(model is seen for seen in self._models):
             raise ValueError("prepare() was called twice on the same model. Prepare each model once "
                              "and keep using the object it returned.")
+        parallel.check_model(model, self._mesh.parallel)      # before any collective
         if self.num_processes > 1 and rank0_only_weights_expected():
             broadcast_from_rank0(model, self.device)
         originals = dict(model.named_parameters())
-        shard_model(model, self._mesh.fsdp_mesh, self.fsdp_config, self.device, self.seed)
+        shard_model(model, self._mesh, self.fsdp_config, self.device, self.seed)
         self._params.record(model, originals)
         self._models.append(model)
         return model
@@ -256,8 +264,11 @@ class Accelerator(accelerate.Accelerator):
             return self.accumulator.step(models, batch)
         return super().accumulate(*models)
 
-    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+    def backward(self, loss: torch.Tensor, aux_loss=None, **kwargs) -> None:
+        """``aux_loss``: the micro-batch's MoE router aux loss (``outputs.aux_loss``), already part of
+        ``loss``; passed only to be logged, token-weighted, as `step_aux_loss`."""
         if self.accumulator.in_step:
+            self.accumulator.record_aux_loss(aux_loss)
             loss = self.accumulator.scale_step_loss(loss)
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward(**kwargs)
             return
@@ -270,14 +281,11 @@ class Accelerator(accelerate.Accelerator):
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm of (DTensor) gradients; returns that norm, identical on every rank."""
-        from torch.distributed.tensor import DTensor
-
         self.unscale_gradients()
-        params = [p for p in parameters if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type, foreach=True)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        groups = parallel.group_by_mesh([p for p in parameters if p.grad is not None])
+        total = parallel.total_norm(groups, norm_type)
+        for params in groups:     # foreach kernels take DTensors of one mesh at a time
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total
 
     def clip_grad_value_(self, parameters, clip_value: float) -> None:
@@ -332,6 +340,11 @@ class Accelerator(accelerate.Accelerator):
             self._checkpointer = Checkpointer(self.checkpoint_config, device_type=self.runtime.device_type,
                                               cpu_group=self.runtime.cpu_group)
         return self._checkpointer
+
+    def set_run_config(self, text: Optional[str]) -> None:
+        """The run's config (YAML text): saved in every checkpoint, and as ``<checkpoint_dir>/config.yaml``
+        once a resume was accepted. Call before `load_state`/`save_state`."""
+        self._get_checkpointer().set_run_config(text)
 
     def _sync_epoch(self) -> None:
         if self._train_loader is not None and hasattr(self._train_loader, "epoch"):
