@@ -267,18 +267,26 @@ def test_one_process_matches_accelerate(name, runs_dir):
             json.loads((ref.out / "all_results.json").read_text())["perplexity"], rel=REL)
 
 
-def test_one_process_resume_mid_epoch_matches_accelerate(runs_dir):
+def test_one_process_resume_mid_epoch_continues_exactly(runs_dir):
     """checkpointing.py --resume_from_checkpoint step_10 (mid-epoch: load_state + skip_first_batches):
-    the resumed run's losses equal accelerate's resumed run."""
+    under hyperacc the resumed run continues exactly where the uninterrupted run was (the prepared
+    DataLoader's position and shuffle come back with load_state, issue 9 item 5), so its losses from
+    step 10 on equal the uninterrupted run's, which equals accelerate's.
+
+    accelerate itself does not do this: load_state restores the RNG as it was mid-epoch, after the
+    epoch's permutation was drawn, so the resumed epoch is shuffled differently and skip_first_batches
+    skips other samples (its resumed losses differ from its uninterrupted run's by up to ~17x here)."""
     ref_full = run_script("checkpointing", "accelerate", 1, runs_dir).ok()
     got_full = run_script("checkpointing", "hyperacc", 1, runs_dir).ok()
-    ref = run_script("checkpointing", "accelerate", 1, runs_dir, tag="resume", args=[],
-                     extra=["--resume_from_checkpoint", str(ref_full.out / "step_10")]).ok()
+    assert_same_losses(ref_full, got_full)
     got = run_script("checkpointing", "hyperacc", 1, runs_dir, tag="resume", args=[],
                      extra=["--resume_from_checkpoint", str(got_full.out / "step_10")]).ok()
-    assert ref.of("train")[0]["step"] == 10
-    assert_same_losses(ref, got)
-    assert_eval_close(ref, got)
+    assert got.of("train")[0]["step"] == 10
+    tail = Run.__new__(Run)
+    tail.command, tail.metrics = got_full.command + " (steps >= 10)", [
+        m for m in got_full.metrics if m.get("kind") != "train" or m["step"] >= 10]
+    assert_same_losses(tail, got)
+    assert_eval_close(tail, got)
 
 
 @slow
@@ -397,7 +405,7 @@ def test_member_coverage():
     lines = [json.loads(line[len("METRIC "):]) for line in proc.stdout.splitlines() if line.startswith("METRIC ")]
     assert proc.returncode == 0 and lines, f"member probe failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
     probe = lines[0]
-    assert len(probe["public"]) > 100
+    assert len(probe["public"]) >= 80      # 86 in accelerate 1.15
     assert not probe["missing"], f"{len(probe['missing'])} public members of accelerate.Accelerator missing: {probe['missing']}"
     assert probe["not_supported"] is not None, "hyperacc.accelerator.NOT_SUPPORTED is not defined"
     assert not probe["not_supported_problems"], f"NOT_SUPPORTED members that do not raise clearly: {probe['not_supported_problems']}"
