@@ -12,7 +12,6 @@ optimizers are rebound to the sharded parameters that `fully_shard` creates.
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import random
 import re
@@ -21,34 +20,22 @@ from typing import Optional
 import accelerate
 import numpy as np
 import torch
-from accelerate.data_loader import prepare_data_loader
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
 from hyperacc import compat, parallel
 from hyperacc import runtime as runtime_lib
 from hyperacc.accumulation import GradientAccumulator
-from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig, from_environment
+from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
 from hyperacc.mesh import build_mesh
 from hyperacc.progress import Progress
 from hyperacc.sharding import broadcast_from_rank0, rank0_only_weights_expected, shard_model
 from hyperacc.wrappers import ParameterMap, PreparedScheduler, rebind_optimizer
 
 DEFAULT_SEED = 42
-CHECKPOINT_ENV_PREFIX = "HYPERACC_CHECKPOINT_"
 
 
 def _is_scheduler(obj) -> bool:
     return hasattr(obj, "step") and hasattr(obj, "optimizer") and hasattr(obj, "get_last_lr")
-
-
-def _configured(config, cls):
-    """An explicit config (copied, so the caller's object is untouched) filled from the environment."""
-    if config is None:
-        config = cls()
-    elif not isinstance(config, cls):
-        raise TypeError(f"expected a {cls.__name__}, got {type(config).__name__}")
-    return from_environment(copy.copy(config))
 
 
 def set_seed(seed: int) -> None:
@@ -79,15 +66,10 @@ class Accelerator(accelerate.Accelerator):
                                           megatron_lm_plugin=megatron_lm_plugin, torch_tp_plugin=torch_tp_plugin)
         compat.warn_dynamo(dynamo_backend, dynamo_plugin)
         compat.warn_split_batches(split_batches)
-        if parallel is None and parallelism_config is not None:
-            parallel = compat.parallel_config_from_accelerate(parallelism_config)
-        if fsdp is None and fsdp_plugin is not None:
-            fsdp = compat.fsdp_config_from_plugin(fsdp_plugin)
-        self.parallel_config = _configured(parallel, ParallelConfig)
-        self.fsdp_config = compat.with_mixed_precision(_configured(fsdp, FSDPConfig), mixed_precision)
-        self._checkpoint_policy_configured = checkpoint is not None or any(
-            name.startswith(CHECKPOINT_ENV_PREFIX) for name in os.environ)
-        self.checkpoint_config = _configured(checkpoint, CheckpointConfig)
+        self.parallel_config, self.fsdp_config, self.checkpoint_config = compat.resolve_configs(
+            parallel=parallel, fsdp=fsdp, checkpoint=checkpoint, parallelism_config=parallelism_config,
+            fsdp_plugin=fsdp_plugin, mixed_precision=mixed_precision)
+        self._checkpoint_policy_configured = checkpoint is not None or compat.checkpoint_env_given()
         self.seed = DEFAULT_SEED if seed is None else int(seed)
 
         # Validate the parallel sizes against the world, then start the process group: both before
@@ -99,7 +81,7 @@ class Accelerator(accelerate.Accelerator):
         if cpu and device_type is None:
             device_type = "cpu"
         self.runtime = runtime_lib.init_runtime(device_type)
-        _check_no_stale_state(self.runtime.world_size)
+        compat.check_no_stale_state(self.runtime.world_size)
         with compat.accelerate_switches_off():
             super().__init__(
                 device_placement=device_placement, split_batches=split_batches,
@@ -109,11 +91,7 @@ class Accelerator(accelerate.Accelerator):
                 project_dir=project_dir, project_config=project_config,
                 gradient_accumulation_plugin=gradient_accumulation_plugin,
                 step_scheduler_with_optimizer=step_scheduler_with_optimizer, kwargs_handlers=kwargs_handlers)
-        # What hyperacc really does: FSDP2 sharding (accelerate's members branch on this). Set on the
-        # process state too: every new AcceleratorState() copies the process state's type over its own.
-        accelerate.PartialState().distributed_type = DistributedType.FSDP
-        self.state.distributed_type = DistributedType.FSDP
-        self.state.fsdp_plugin = fsdp_plugin if fsdp_plugin is not None else _fsdp2_plugin()
+        compat.mark_state_fsdp2(self.state, fsdp_plugin)
         self._mesh = build_mesh(self.parallel_config, self.runtime.world_size, self.runtime.device_type)
         if seed is not None:
             set_seed(self.seed)
@@ -212,13 +190,12 @@ class Accelerator(accelerate.Accelerator):
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         from hyperacc.data.loader import MicroBatchDataLoader
-        from hyperacc.data.resumable import ResumableLoader
+        from hyperacc.data.resumable import prepare_plain_loader
 
         if isinstance(data_loader, MicroBatchDataLoader):
             prepared = data_loader.bind(self.dp_rank, self.dp_size)
         elif isinstance(data_loader, torch.utils.data.DataLoader):
-            prepared = ResumableLoader(self._accelerate_data_loader(data_loader, device_placement,
-                                                                    slice_fn_for_dispatch))
+            prepared = prepare_plain_loader(self, data_loader, device_placement, slice_fn_for_dispatch)
         else:
             raise TypeError(f"prepare() does not know how to prepare a {type(data_loader).__name__}: pass "
                             "nn.Module, torch.optim.Optimizer, LR scheduler, DataLoader or MicroBatchDataLoader.")
@@ -226,17 +203,6 @@ class Accelerator(accelerate.Accelerator):
         if self._train_loader is None:
             self._train_loader = prepared
         return prepared
-
-    def _accelerate_data_loader(self, data_loader, device_placement, slice_fn_for_dispatch):
-        """accelerate's own preparation, sharded over the data-parallel ranks (not every rank)."""
-        return prepare_data_loader(
-            data_loader, self.device, num_processes=self.dp_size, process_index=self.dp_rank,
-            split_batches=self.split_batches,
-            put_on_device=self.device_placement if device_placement is None else device_placement,
-            rng_types=self.rng_types.copy(), dispatch_batches=self.dispatch_batches, even_batches=self.even_batches,
-            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=self.use_seedable_sampler,
-            data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking,
-            use_stateful_dataloader=self.use_stateful_dataloader)
 
     def _needs_once_per_step_scheduler(self) -> bool:
         return getattr(self._train_loader, "micro_batches_per_step", None) is not None
@@ -421,23 +387,6 @@ def _reshard(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-
-
-def _fsdp2_plugin() -> FullyShardedDataParallelPlugin:
-    """The plugin accelerate's inherited members consult (`is_fsdp2`, `get_state_dict`, `no_sync`)."""
-    with compat.accelerate_switches_off():
-        return FullyShardedDataParallelPlugin(fsdp_version=2)
-
-
-def _check_no_stale_state(world_size: int) -> None:
-    """accelerate's process state may exist already (a `PartialState()` made before the Accelerator).
-    If it was built without this job's processes, every accelerate collective would be a no-op."""
-    state = accelerate.PartialState._shared_state
-    if state and state.get("num_processes", world_size) != world_size:
-        raise RuntimeError(
-            f"accelerate's PartialState was created before hyperacc.Accelerator and sees "
-            f"{state.get('num_processes')} process(es) in a job of {world_size}. Create the Accelerator "
-            "first (or pass cpu=True to PartialState on a CPU-only machine).")
 
 
 def prepare(*objects):

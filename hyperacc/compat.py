@@ -10,13 +10,16 @@ README, the member test and the `Accelerator` read one list.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 from typing import Optional
 
 import torch
 
-from hyperacc.config import FSDPConfig, ParallelConfig
+from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig, from_environment
+
+CHECKPOINT_ENV_PREFIX = "HYPERACC_CHECKPOINT_"
 
 # accelerate.Accelerator members that raise NotImplementedError on hyperacc, each with the reason.
 NOT_SUPPORTED = {
@@ -142,3 +145,57 @@ def warn_split_batches(split_batches) -> None:
     if split_batches is not None:
         warnings.warn("split_batches= is ignored (as by accelerate 1.15, which moved it): pass "
                       "dataloader_config=DataLoaderConfiguration(split_batches=...) instead.")
+
+
+def _configured(config, cls):
+    """An explicit config (copied, so the caller's object is untouched) filled from the environment."""
+    if config is None:
+        config = cls()
+    elif not isinstance(config, cls):
+        raise TypeError(f"expected a {cls.__name__}, got {type(config).__name__}")
+    return from_environment(copy.copy(config))
+
+
+def resolve_configs(*, parallel, fsdp, checkpoint, parallelism_config, fsdp_plugin, mixed_precision):
+    """hyperacc's three configs: its own arguments, else accelerate's, then the launch environment."""
+    if parallel is None and parallelism_config is not None:
+        parallel = parallel_config_from_accelerate(parallelism_config)
+    if fsdp is None and fsdp_plugin is not None:
+        fsdp = fsdp_config_from_plugin(fsdp_plugin)
+    return (_configured(parallel, ParallelConfig),
+            with_mixed_precision(_configured(fsdp, FSDPConfig), mixed_precision),
+            _configured(checkpoint, CheckpointConfig))
+
+
+def checkpoint_env_given() -> bool:
+    return any(name.startswith(CHECKPOINT_ENV_PREFIX) for name in os.environ)
+
+
+def mark_state_fsdp2(state, fsdp_plugin=None) -> None:
+    """Make accelerate's state say what hyperacc does, FSDP2 sharding (its members branch on it).
+
+    Set on the process state too: every new AcceleratorState() copies the process state's type
+    over its own.
+    """
+    import accelerate
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    accelerate.PartialState().distributed_type = DistributedType.FSDP
+    state.distributed_type = DistributedType.FSDP
+    if fsdp_plugin is None:
+        with accelerate_switches_off():
+            fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    state.fsdp_plugin = fsdp_plugin
+
+
+def check_no_stale_state(world_size: int) -> None:
+    """accelerate's process state may exist already (a `PartialState()` made before the Accelerator).
+    If it was built without this job's processes, every accelerate collective would be a no-op."""
+    import accelerate
+
+    state = accelerate.PartialState._shared_state
+    if state and state.get("num_processes", world_size) != world_size:
+        raise RuntimeError(
+            f"accelerate's PartialState was created before hyperacc.Accelerator and sees "
+            f"{state.get('num_processes')} process(es) in a job of {world_size}. Create the Accelerator "
+            "first (or pass cpu=True to PartialState on a CPU-only machine).")

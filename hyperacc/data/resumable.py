@@ -131,3 +131,19 @@ class ResumableLoader:
         if name == "base_loader":        # not yet set (e.g. during unpickling)
             raise AttributeError(name)
         return getattr(self.base_loader, name)
+
+
+def prepare_plain_loader(accelerator, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+    """accelerate's own `prepare_data_loader`, sharded over the data-parallel ranks (not every rank:
+    tensor/expert-parallel peers read the same data), wrapped to resume its position."""
+    from accelerate.data_loader import prepare_data_loader
+
+    prepared = prepare_data_loader(
+        data_loader, accelerator.device, num_processes=accelerator.dp_size, process_index=accelerator.dp_rank,
+        split_batches=accelerator.split_batches,
+        put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+        rng_types=accelerator.rng_types.copy(), dispatch_batches=accelerator.dispatch_batches,
+        even_batches=accelerator.even_batches, slice_fn_for_dispatch=slice_fn_for_dispatch,
+        use_seedable_sampler=accelerator.use_seedable_sampler, data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking, use_stateful_dataloader=accelerator.use_stateful_dataloader)
+    return ResumableLoader(prepared)
