@@ -97,7 +97,9 @@ def dry_run(cfg, world_size):
             cp=cfg.parallel.cp_size, ep=cfg.parallel.ep_size, wrap_classes=fsdp.wrap_classes, mixed_precision=fsdp.mixed_precision,
             cpu_offload=fsdp.cpu_offload, activation_checkpointing=fsdp.activation_checkpointing,
             micro_batch_size=cfg.training.micro_batch_size, seq_len=cfg.data.seq_len,
-            eager_attention=cfg.model.attn_implementation in (None, "eager"))
+            eager_attention=cfg.model.attn_implementation in (None, "eager"),
+            micro_batches=max(1, cfg.training.global_batch_size // (cfg.training.micro_batch_size * max(
+                1, world_size // (cfg.parallel.tp_size * cfg.parallel.cp_size)))))
     except ValueError as err:
         raise ConfigError(f"dry run for {world_size} ranks: {err}") from None
     print(format_config(cfg))

@@ -59,16 +59,19 @@ class GradientAccumulator:
     """Owns the per-step accumulation state; the Accelerator forwards `accumulate`/`backward` here."""
 
     def __init__(self, *, device: torch.device, dp_size: int, group, fsdp: FSDPConfig,
-                 on_sync_change: Callable[[bool], None] = lambda _value: None):
+                 on_sync_change: Callable[[bool], None] = lambda _value: None, same_tokens: int = 1):
         self.device = device
         self.dp_size = dp_size
-        self.group = group
+        self.group = group              # spans every rank; ``same_tokens`` of them hold each token
+        self.same_tokens = same_tokens  # the tp x cp peers of a DP rank: sums over ``group`` / this
         self.fsdp = fsdp
         self._on_sync_change = on_sync_change   # mirrors sync_gradients into accelerate's GradientState
         self.in_step = False
         self.step_tokens = 0            # valid label tokens of the last step, all DP ranks
         self.step_samples = 0           # samples of the last step, all DP ranks
         self.step_loss: Optional[float] = None  # global token-mean loss of the last step
+        self.step_aux_loss: Optional[float] = None  # token-weighted MoE router aux loss (when recorded)
+        self._aux_sum = None
         self._micro_tokens = 0
         self._loss_sum = None
 
@@ -80,8 +83,10 @@ class GradientAccumulator:
         local = torch.tensor([sum(tokens), sum(int(mb["labels"].shape[0]) for mb in batch)],
                              dtype=torch.float64)
         totals = self._all_reduce(local)
-        self.step_tokens, self.step_samples = int(totals[0]), int(totals[1])
+        self.step_tokens, self.step_samples = round(float(totals[0])), round(float(totals[1]))
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._aux_seen = False
         self.in_step = True
         self._on_sync_change(False)
         try:
@@ -90,8 +95,10 @@ class GradientAccumulator:
             self.in_step = False
             self._on_sync_change(True)
             _set_sync(models, reduce_now=True, all_reduce_now=True, reshard_now=True)
-        loss_sum = self._all_reduce(self._loss_sum.detach().reshape(1).cpu())
-        self.step_loss = float(loss_sum[0]) / self.step_tokens if self.step_tokens else 0.0
+        sums = self._all_reduce(torch.stack([self._loss_sum.detach(), self._aux_sum.detach()]).cpu())
+        self.step_loss = float(sums[0]) / self.step_tokens if self.step_tokens else 0.0
+        self.step_aux_loss = (float(sums[1]) / self.step_tokens if self.step_tokens else 0.0) \
+            if self._aux_seen else None
 
     def _enter_micro_batch(self, models, tokens: int, is_last: bool) -> None:
         self._micro_tokens = tokens
@@ -101,12 +108,16 @@ class GradientAccumulator:
         self._on_sync_change(is_last)
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks: each token counted once although its tp/cp peers hold it too."""
         if self.dp_size > 1:
             if self.group is None:   # the default group, whose backend talks to the device
                 moved = tensor.to(self.device)
                 dist.all_reduce(moved)
-                return moved.cpu()
-            dist.all_reduce(tensor, group=self.group)
+                tensor = moved.cpu()
+            else:
+                dist.all_reduce(tensor, group=self.group)
+            if self.same_tokens > 1:
+                tensor = tensor / self.same_tokens
         return tensor
 
     def scale_step_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -121,6 +132,15 @@ class GradientAccumulator:
                              "drop such samples or pack sequences so every micro-batch has labels.")
         self._loss_sum = self._loss_sum + loss.detach().to(torch.float64) * tokens
         return loss * (tokens * self.dp_size / total)
+
+    def record_aux_loss(self, aux_loss) -> None:
+        """Weight a micro-batch's MoE router aux loss by its tokens, as its loss (for logging only:
+        transformers already adds ``router_aux_loss_coef * aux_loss`` to the loss)."""
+        if aux_loss is None:
+            return
+        value = aux_loss.detach().to(torch.float64) if torch.is_tensor(aux_loss) else torch.tensor(float(aux_loss))
+        self._aux_sum = self._aux_sum + value.to(self._aux_sum.device) * self._micro_tokens
+        self._aux_seen = True
 
 
 class _MicroBatches:

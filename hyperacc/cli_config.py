@@ -803,6 +803,10 @@ class ModelConfig:
     overrides: Dict[str, Any] = dataclasses.field(default_factory=dict)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Optional[str] = None
+    # MoE models only: the experts kernel ("grouped_mm", "eager" = per-expert loop, "batched_mm";
+    # None = transformers' default) and the router's load-balancing loss (coefficient from the config).
+    experts_implementation: Optional[str] = "grouped_mm"
+    router_aux_loss: bool = True
 
 
 @dataclasses.dataclass

@@ -63,17 +63,27 @@ def _fill_from_env(config, env_map: Mapping[str, tuple], env: Mapping[str, str])
 @_records_explicit_fields
 @dataclasses.dataclass
 class ParallelConfig:
-    """Sizes of the mesh dimensions. ``dp_shard_size=-1`` means "the rest of the world"."""
+    """Sizes of the mesh dimensions. ``dp_shard_size=-1`` means "the rest of the world".
+
+    Dense mesh: dp_replicate x dp_shard x cp x tp. Expert mesh (MoE experts, when ``ep_size > 1``):
+    dp_replicate x efsdp x ep over the same ranks, with efsdp = dp_shard*cp*tp / ep.
+    """
 
     dp_replicate_size: int = 1
     dp_shard_size: int = -1
-    tp_size: int = 1
     cp_size: int = 1
+    tp_size: int = 1
+    ep_size: int = 1
+
+    @property
+    def efsdp_size(self) -> int:
+        """Expert-FSDP size of a resolved config: the ranks of a dp_replicate group over ep."""
+        return self.dp_shard_size * self.cp_size * self.tp_size // self.ep_size
 
     def resolved(self, world_size: int) -> "ParallelConfig":
         """Return a copy with ``-1`` filled in, validated against ``world_size``."""
         sizes = {"dp_replicate_size": self.dp_replicate_size, "dp_shard_size": self.dp_shard_size,
-                 "tp_size": self.tp_size, "cp_size": self.cp_size}
+                 "tp_size": self.tp_size, "cp_size": self.cp_size, "ep_size": self.ep_size}
         for name, size in sizes.items():
             if size == 0 or size < -1:
                 raise ValueError(f"ParallelConfig.{name}={size} is invalid: use a positive size "
@@ -96,6 +106,12 @@ class ParallelConfig:
                     f"cp={self.cp_size} x tp={self.tp_size} = {fixed * shard} but the world has "
                     f"{world_size} processes. Make the product equal the world size, or set "
                     "dp_shard_size=-1 to take the rest.")
+        inner = shard * self.cp_size * self.tp_size
+        if inner % self.ep_size:
+            raise ValueError(
+                f"ParallelConfig.ep_size={self.ep_size} does not divide dp_shard*cp*tp = {shard}*{self.cp_size}*"
+                f"{self.tp_size} = {inner} (the ranks of one replica the experts are spread over). "
+                f"Pick an ep_size that divides {inner}.")
         resolved = dataclasses.replace(self, dp_shard_size=shard)
         object.__setattr__(resolved, "_explicit", explicit_fields(self))
         return resolved
@@ -106,6 +122,7 @@ PARALLEL_ENV = {
     "dp_shard_size": ("PARALLELISM_CONFIG_DP_SHARD_SIZE", int),
     "tp_size": ("PARALLELISM_CONFIG_TP_SIZE", int),
     "cp_size": ("PARALLELISM_CONFIG_CP_SIZE", int),
+    "ep_size": ("HYPERACC_PARALLEL_EP_SIZE", int),
 }
 
 MIXED_PRECISION_CHOICES = (None, "bf16", "fp16")

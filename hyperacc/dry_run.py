@@ -1,8 +1,12 @@
-"""Dry run: plan the FSDP2 sharding of a meta-device model for N ranks and estimate memory per rank.
+"""Dry run: plan the FSDP2 (+ TP/EP) sharding of a meta-device model for N ranks and estimate memory per rank.
 
 No process group and no real tensor are needed: the model is only inspected. FSDP2 shards every
 parameter on dim 0 over the ``dp_shard`` ranks (padded to equal chunks; replicas under HSDP
 hold the same shard), so the largest shard a rank holds is ``ceil(dim0 / dp_shard) * rest``.
+With ``tp > 1`` the parameters the model's TP plan splits are 1/tp first; with ``ep > 1`` the
+experts are 1/ep per rank (whole experts) and FSDP-sharded over efsdp = dp_shard*tp/ep instead.
+All-to-all volume (EP): every routed (token, expert) pair whose expert lives on another rank is
+sent there and its output sent back, in forward, backward (and the recompute forward).
 
 Estimated bytes per rank (``estimate``):
   persistent: sharded fp32 master parameters, sharded fp32 gradients, AdamW's two fp32 moments;
@@ -29,6 +33,12 @@ class ShardingPlan:
     world_size: int
     dp_replicate: int
     dp_shard: int
+    tp: int
+    ep: int
+    efsdp: int
+    dense_params_per_rank: int
+    expert_params_per_rank: int
+    all_to_all_bytes: float              # sent per rank and optimizer step (EP)
     total_params: int
     params_per_rank: int                 # the most any rank holds (rank 0: padding goes to the end)
     units: int                           # FSDP units: blocks + root
@@ -50,31 +60,83 @@ def _shard_numel(shape, shards: int) -> int:
     return math.ceil(shape[0] / shards) * _numel(shape[1:])
 
 
+_TP_SPLITS = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
+              "packed_colwise", "packed_rowwise", "embedding_rowwise", "embedding_colwise")
+
+
+def _parallel_shares(model: nn.Module, tp: int, ep: int) -> Dict[str, tuple]:
+    """Parameter name -> (divisor before FSDP, is_expert) under the model's own TP/EP plans."""
+    from hyperacc.parallel.expert import DISPATCH_STYLE, check_expert_parallel
+    from hyperacc.parallel.plans import drop_covered, expand_plan, model_plan
+    from hyperacc.parallel.tensor import check_tensor_parallel
+
+    check_tensor_parallel(model, tp)
+    check_expert_parallel(model, ep)
+    params = dict(model.named_parameters())
+    ep_plan = expand_plan(model, model_plan(model, "ep")) if ep > 1 else {}
+    tp_plan = drop_covered(expand_plan(model, model_plan(model, "tp")), ep_plan) if tp > 1 else {}
+    shares = {name: (1, False) for name in params}
+    for name, style in tp_plan.items():
+        if name in params and style in _TP_SPLITS and not (style.startswith("rowwise") and name.endswith("bias")):
+            shares[name] = (tp, False)
+    experts = [name for name, style in ep_plan.items() if style == DISPATCH_STYLE]
+    for name in params:
+        if any(name.startswith(e + ".") for e in experts):
+            shares[name] = (ep, True)
+    return shares
+
+
 def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, tp: int = 1, cp: int = 1,
-                  wrap_classes=None, mixed_precision: Optional[str] = None, cpu_offload: bool = False,
+                  ep: int = 1, wrap_classes=None, mixed_precision: Optional[str] = None, cpu_offload: bool = False,
                   activation_checkpointing: bool = False, micro_batch_size: Optional[int] = None,
-                  seq_len: Optional[int] = None, eager_attention: bool = True) -> ShardingPlan:
-    """Plan ``model`` (on the meta device) for ``world_size`` ranks; no process group needed."""
+                  seq_len: Optional[int] = None, eager_attention: bool = True,
+                  micro_batches: int = 1) -> ShardingPlan:
+    """Plan ``model`` (on the meta device) for ``world_size`` ranks; no process group needed.
+    ``micro_batches``: per DP rank and optimizer step (for the all-to-all volume per step)."""
     from hyperacc.sharding import block_classes, find_blocks
 
     fixed = dp_replicate * tp * cp
     if world_size % fixed:
         raise ValueError(f"world size {world_size} is not divisible by dp_replicate*tp*cp={fixed}")
-    if tp != 1 or cp != 1:
-        raise ValueError("the dry run plans data parallelism (FSDP/HSDP) only: tp_size and cp_size must be 1")
+    if cp != 1:
+        raise ValueError("the dry run does not plan context parallelism: cp_size must be 1")
     shards = world_size // fixed
+    if (shards * tp) % ep:
+        raise ValueError(f"ep_size={ep} does not divide dp_shard*tp = {shards * tp}")
+    efsdp = shards * tp // ep
+    share = _parallel_shares(model, tp, ep)
     names = block_classes(model, wrap_classes)
     blocks = find_blocks(model, names)
-    in_block = set()
-    unit_sizes = []
+
+    def after_split(name, p):                       # the per-rank numel before FSDP
+        return p.numel() // share[name][0]
+
+    def sharded(name, p):                           # what a rank keeps after TP/EP, then FSDP on dim 0
+        divisor, expert = share[name]
+        shape = list(p.shape) or [1]
+        shape[0] = math.ceil(shape[0] / divisor)    # whole experts / tp slices (padding ignored)
+        return _shard_numel(tuple(shape), efsdp if expert else shards)
+
+    named = dict(model.named_parameters())
+    ids = {id(p): n for n, p in named.items()}
+    in_block, unit_sizes, gathered = set(), [], 0.0
     for block in blocks:
-        params = list(block.parameters())
-        in_block.update(id(p) for p in params)
-        unit_sizes.append(sum(p.numel() for p in params))
-    root = sum(p.numel() for p in model.parameters() if id(p) not in in_block)
-    unit_sizes.append(root)
+        dense = expert = 0
+        for p in block.parameters():
+            in_block.add(id(p))
+            n = ids[id(p)]
+            if share[n][1]:
+                expert += after_split(n, p)
+            else:
+                dense += after_split(n, p)
+        unit_sizes += [dense] + ([expert] if expert else [])
+        gathered += dense * (shards - 1) / shards + expert * (efsdp - 1) / efsdp
+    unit_sizes.append(sum(after_split(n, p) for n, p in named.items() if id(p) not in in_block))
+    gathered += unit_sizes[-1] * (shards - 1) / shards
     total = sum(p.numel() for p in model.parameters())
-    local = sum(_shard_numel(tuple(p.shape), shards) for p in model.parameters())
+    local_dense = sum(sharded(n, p) for n, p in named.items() if not share[n][1])
+    local_expert = sum(sharded(n, p) for n, p in named.items() if share[n][1])
+    local = local_dense + local_expert
     compute = _BYTES[mixed_precision]
     largest = max(unit_sizes)
     second = sorted(unit_sizes)[-2] if len(unit_sizes) > 1 else 0
@@ -86,6 +148,24 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
         "transient: 1 unit of unsharded grads (fp32 reduce)": 4.0 * largest,
     }
     notes = []
+    if tp > 1 or ep > 1:
+        notes.append(f"of the persistent params per rank: dense {_human(local_dense)} ({_bytes(4.0 * local_dense).strip()} "
+                     f"fp32), expert {_human(local_expert)} ({_bytes(4.0 * local_expert).strip()} fp32); "
+                     f"grads and AdamW states follow the same split")
+    # all-gathered per rank: each unit in forward and again in backward, every micro-batch
+    notes.append(f"all-gathered per rank and step (FSDP, received, {micro_batches} micro-batch(es)): "
+                 f"{_bytes(gathered * compute * 2 * micro_batches).strip()}")
+    config = getattr(model, "config", None)
+    all_to_all = 0.0
+    if ep > 1 and micro_batch_size and seq_len and config is not None:
+        top_k = int(getattr(config, "num_experts_per_tok", 1) or 1)
+        hidden = int(getattr(config, "hidden_size", 0))
+        layers = sum(1 for n in share if share[n][1] and n.endswith(".gate_up_proj")) or len(blocks)
+        tokens = micro_batch_size * seq_len * micro_batches / tp       # a tp group's ranks split its tokens
+        passes = 2 * (3 if activation_checkpointing else 2)            # dispatch + combine, fwd/bwd(/recompute)
+        all_to_all = tokens * top_k * hidden * compute * layers * passes * (ep - 1) / ep
+        sizes_note = f"all-to-all per rank and step (EP, sent): {_bytes(all_to_all).strip()}"
+        notes.append(sizes_note)
     config = getattr(model, "config", None)
     if micro_batch_size and seq_len and config is not None:
         hidden = int(getattr(config, "hidden_size", 0))
@@ -115,7 +195,9 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
         device = sum(sizes.values())
     if not blocks:
         notes.append(f"no module of class {names} found: the whole model is one FSDP unit")
-    return ShardingPlan(world_size=world_size, dp_replicate=dp_replicate, dp_shard=shards, total_params=total,
+    return ShardingPlan(world_size=world_size, dp_replicate=dp_replicate, dp_shard=shards, tp=tp, ep=ep, efsdp=efsdp,
+                        dense_params_per_rank=local_dense, expert_params_per_rank=local_expert,
+                        all_to_all_bytes=all_to_all, total_params=total,
                         params_per_rank=local, units=len(unit_sizes), largest_unit_params=largest,
                         block_class=names, bytes=sizes, device_bytes=device, host_bytes=host, notes=notes)
 
@@ -137,7 +219,9 @@ def _bytes(n: float) -> str:
 def format_plan(plan: ShardingPlan) -> str:
     """A readable report of ``plan``; the first lines are stable for scripts to grep."""
     lines = [
-        f"dry run: world_size={plan.world_size} (dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard})",
+        f"dry run: world_size={plan.world_size} (dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}"
+        + (f" x tp={plan.tp}" if plan.tp > 1 else "")
+        + (f"; experts: ep={plan.ep} x efsdp={plan.efsdp}" if plan.ep > 1 else "") + ")",
         f"total_params={plan.total_params} ({_human(plan.total_params)})",
         f"params_per_rank={plan.params_per_rank} ({_human(plan.params_per_rank)})",
         f"fsdp_units={plan.units} (blocks of {', '.join(plan.block_class) or 'none'} + root); "

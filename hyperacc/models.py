@@ -6,6 +6,7 @@ sharded; `hyperacc.sharding` materialises and initialises them after `fully_shar
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from typing import Optional
 
@@ -25,20 +26,43 @@ def qwen3_moe_config(**overrides):
     return Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **overrides})
 
 
+def with_router_aux_loss(config, enabled: Optional[bool] = None):
+    """``config`` with the MoE router's load-balancing loss switched on (``enabled=None``: on for
+    every model that has one, i.e. a config with ``router_aux_loss_coef``); a dense config is
+    returned unchanged. transformers then adds ``router_aux_loss_coef * aux_loss`` to ``loss`` and
+    returns ``aux_loss`` separately."""
+    if not hasattr(config, "router_aux_loss_coef"):
+        return config
+    want = True if enabled is None else bool(enabled)
+    if getattr(config, "output_router_logits", None) != want:
+        config = copy.deepcopy(config)
+        config.output_router_logits = want
+    return config
+
+
 def build_causal_lm(config, *, meta_device: bool = False, seed: Optional[int] = None,
-                    attn_implementation: str = "eager"):
+                    attn_implementation: str = "eager", router_aux_loss: Optional[bool] = None,
+                    experts_implementation: Optional[str] = None):
     """Instantiate a causal LM from a transformers config with random weights.
 
     ``meta_device=True`` allocates nothing: the model is initialised later, after sharding.
     ``attn_implementation``: "eager" (default: bitwise reproducible everywhere), "sdpa", ...
+    ``router_aux_loss``: the MoE load-balancing loss (None: on for models that have one; False:
+    off), see `with_router_aux_loss`.
+    ``experts_implementation``: MoE experts kernel ("grouped_mm", "eager" loop, ...; None: the
+    transformers default, grouped_mm where supported).
     """
     from transformers import AutoModelForCausalLM
 
     if seed is not None:
         torch.manual_seed(seed)
+    config = with_router_aux_loss(config, router_aux_loss)
+    kwargs = {"attn_implementation": attn_implementation}
+    if experts_implementation is not None:
+        kwargs["experts_implementation"] = experts_implementation
     context = torch.device("meta") if meta_device else contextlib.nullcontext()
     with context:
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def has_pretrained_weights(path: str) -> bool:

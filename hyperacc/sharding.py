@@ -6,7 +6,6 @@ block's full parameters exist at a time; the root call covers what is left (embe
 """
 from __future__ import annotations
 
-import copy
 import functools
 import warnings
 import zlib
@@ -61,9 +60,17 @@ def _policies(config: FSDPConfig, device_type: str) -> dict:
     return kwargs
 
 
-def shard_model(model: nn.Module, fsdp_mesh, config: FSDPConfig, device: torch.device,
+def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device,
                 seed: int) -> nn.Module:
-    """Apply FSDP2 to ``model`` in place and return it, initialised if it was on the meta device."""
+    """Apply FSDP2 to ``model`` in place and return it, initialised if it was on the meta device.
+
+    ``mesh``: the job's `hyperacc.mesh.MeshInfo` (tensor and expert parallelism are applied first,
+    as its sizes say; experts become FSDP units on the expert mesh), or a plain DeviceMesh for FSDP.
+    """
+    from hyperacc.mesh import MeshInfo
+
+    info = mesh if isinstance(mesh, MeshInfo) else None
+    fsdp_mesh = info.fsdp_mesh if info is not None else mesh
     if isinstance(model, FSDPModule):
         raise ValueError("This model is already sharded: prepare() was called twice on the same model. "
                          "Prepare each model once and keep the returned object.")
@@ -88,6 +95,14 @@ def shard_model(model: nn.Module, fsdp_mesh, config: FSDPConfig, device: torch.d
     if not on_meta:
         model.to(device)
     kwargs = _policies(config, device.type)
+    experts = []
+    if info is not None:
+        from hyperacc import parallel
+
+        experts = parallel.parallelize(model, info)
+        for module in experts:
+            fully_shard(module, mesh=info.expert_fsdp_mesh, **kwargs)
+        parallel.set_expert_gradient_reduction(experts, info.dp_size, info.parallel.efsdp_size)
     for block in blocks:
         fully_shard(block, mesh=fsdp_mesh, **kwargs)
     fully_shard(model, mesh=fsdp_mesh, **kwargs)
@@ -102,7 +117,9 @@ def _module_seed(seed: int, name: str) -> int:
 
 def _full_size_copy(module: nn.Module) -> nn.Module:
     """A shallow copy of ``module`` owning fresh, full-size CPU tensors (no children)."""
-    clone = copy.copy(module)
+    # Not copy.copy: an FSDP unit's class re-runs __init__ without arguments in __new__.
+    clone = object.__new__(type(module))
+    clone.__dict__.update(module.__dict__)
     clone._modules = {}
     # A DTensor reports its global shape; None entries (e.g. a Linear without bias) stay None.
     clone._parameters = {

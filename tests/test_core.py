@@ -111,12 +111,13 @@ def test_dp_product_disagrees_with_world():
         ParallelConfig(dp_replicate_size=2, dp_shard_size=3).resolved(4)
 
 
-def test_tp_is_validated_then_refused():
+def test_tp_is_validated_and_cp_refused():
     from hyperacc.mesh import check_supported
     with pytest.raises(ValueError, match="not divisible"):
         ParallelConfig(tp_size=3).resolved(4)
+    check_supported(ParallelConfig(tp_size=2).resolved(4))
     with pytest.raises(NotImplementedError, match="not supported yet"):
-        check_supported(ParallelConfig(tp_size=2).resolved(4))
+        check_supported(ParallelConfig(cp_size=2).resolved(4))
 
 
 def test_npu_requested_without_torch_npu():

@@ -1,0 +1,48 @@
+"""The one global gradient norm over DTensors that live on different meshes.
+
+With expert parallelism, dense gradients are DTensors on the dense mesh (1-D dp_shard, or 2-D
+dp_shard x tp) and expert gradients are DTensors on the expert mesh (efsdp x ep). DTensor refuses
+arithmetic across meshes, so the norm is taken per mesh (each reduced over its own mesh: a plain,
+identical value on every rank) and the per-mesh norms are combined: (sum of n_g^p)^(1/p), or the
+max for the inf-norm.
+"""
+from __future__ import annotations
+
+import math
+from typing import List
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def group_by_mesh(params) -> List[list]:
+    """Parameters grouped by their gradient's device mesh (plain tensors in a group of their own),
+    in order of first appearance: the same order on every rank."""
+    groups: dict = {}
+    for param in params:
+        grad = param.grad
+        key = grad.device_mesh if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(param)
+    return list(groups.values())
+
+
+def total_norm(groups: List[list], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients of ``groups`` together, as a plain tensor, identical on every rank."""
+    norm_type = float(norm_type)
+    norms = []
+    for params in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        norms.append(norm)
+    if not norms:
+        return torch.tensor(0.0)
+    if len(norms) == 1:
+        return norms[0]
+    device = norms[0].device
+    stacked = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms])
+    if math.isinf(norm_type):
+        combined = stacked.max()
+    else:
+        combined = stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    return combined.to(norms[0].dtype)

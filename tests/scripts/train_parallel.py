@@ -1,0 +1,118 @@
+"""Train a tiny 8-expert Qwen3-MoE at several parallel layouts in one job and dump what tests compare.
+
+The process group is created here, once; each layout builds its own Accelerator on it (meshes,
+FSDP2 + TP/EP sharding), trains ``--steps`` AdamW steps from the same seeded meta-device init on
+the same global batches, and records per-step loss, aux loss, grad norm and token counts.
+Usage: train_parallel.py OUT.json LAYOUT [LAYOUT ...] [--steps N] [--recompute LAYOUT ...]
+       [--ckpt DIR] [--save-step K]
+       LAYOUT: e.g. dp4, dp2tp2, dp4ep2, dp2tp2ep4, rep2dp2ep2, dp1 (letters then sizes);
+       "dp2tp2<dp4" resumes from the checkpoint layout dp4 saved in DIR (DIR/dp4) and trains on.
+       --save-step K: every layout saves its step-K state to DIR/<layout>.
+"""
+import argparse
+import json
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+import hyperacc
+from hyperacc.data.collate import pad_collate
+from hyperacc.models import build_causal_lm, qwen3_moe_config
+from train_tiny import TokenDataset
+
+EXPERTS = 8
+
+
+def parse_layout(text):
+    sizes = {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 1, "ep_size": 1}
+    names = {"rep": "dp_replicate_size", "dp": "dp_shard_size", "tp": "tp_size", "ep": "ep_size"}
+    for key, value in re.findall(r"([a-z]+)(\d+)", text):
+        sizes[names[key]] = int(value)
+    return sizes
+
+
+def model_config():
+    return qwen3_moe_config(num_experts=EXPERTS, num_experts_per_tok=2, output_router_logits=True,
+                            router_aux_loss_coef=0.01)
+
+
+def expert_bytes(model):
+    local = total = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            local += p.to_local().numel() * p.element_size()
+            total += p.numel() * p.element_size()
+    return local, total
+
+
+def train(spec, args):
+    layout, _, source = spec.partition("<")
+    sizes = parse_layout(layout)
+    acc = hyperacc.Accelerator(
+        parallel=hyperacc.ParallelConfig(**sizes),
+        fsdp=hyperacc.FSDPConfig(activation_checkpointing=spec in args.recompute),
+        checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=7)
+    model = build_causal_lm(model_config(), meta_device=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    loader = hyperacc.MicroBatchDataLoader(TokenDataset(160, True), global_batch_size=args.gbs,
+                                           micro_batch_size=args.mbs, collate_fn=pad_collate, seed=3)
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    if source:
+        acc.load_state(os.path.join(args.ckpt, source))
+    params = dict(model.named_parameters())
+    local, total = expert_bytes(model)
+    record = {"layout": spec, "start_step": acc.progress.global_step, "dp_size": acc.dp_size, "micro_batches": loader.micro_batches_per_step,
+              "placements": {name: f"{p.device_mesh.mesh_dim_names}:{p.placements}" for name, p in params.items()
+                             if name.startswith("model.layers.0.") or "embed" in name or "lm_head" in name},
+              "expert_bytes_share": local / total,
+              "losses": [], "aux_losses": [], "grad_norms": [], "tokens": []}
+    while acc.progress.global_step < args.steps:
+        for batch in loader:
+            aux = 0.0
+            with acc.accumulate(model, batch) as micro_batches:
+                for mb in micro_batches:
+                    out = model(**mb)
+                    aux += float(out.aux_loss.detach())
+                    acc.backward(out.loss)
+            record["grad_norms"].append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
+            optimizer.step()
+            optimizer.zero_grad()
+            record["losses"].append(acc.step_loss)
+            record["aux_losses"].append(aux)
+            record["tokens"].append(acc.accumulator.step_tokens)
+            if args.save_step and acc.progress.global_step == args.save_step and not source:
+                acc.save_state(os.path.join(args.ckpt, layout))
+            if acc.progress.global_step == args.steps:
+                break
+    record["consumed_tokens"] = acc.progress.consumed_tokens
+    acc.end_training()
+    return record
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("layouts", nargs="+")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--gbs", type=int, default=8)
+    parser.add_argument("--mbs", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--recompute", nargs="*", default=[])
+    parser.add_argument("--ckpt")
+    parser.add_argument("--save-step", type=int, default=0)
+    args = parser.parse_args()
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    records = [train(layout, args) for layout in args.layouts]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(args.out, "w") as handle:
+            json.dump(records, handle)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

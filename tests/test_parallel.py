@@ -1,0 +1,209 @@
+"""Issue 11: tensor and expert parallelism on the one mesh, composed with FSDP2 (real processes, gloo, fp32).
+
+One 1-process reference and three 4-process jobs (several layouts per job, each from the same seeded
+meta-device init on the same global batches, 2 micro-batches per DP rank and step).
+"""
+import json
+
+import pytest
+import torch
+
+from dist_utils import REPO, run_python, run_torchrun
+from hyperacc import parallel
+from hyperacc.config import ParallelConfig
+from hyperacc.models import build_causal_lm, qwen3_moe_config
+
+SCRIPT = REPO / "tests" / "scripts" / "train_parallel.py"
+STEPS, SAVE_STEP = 10, 5
+RTOL = 1e-5
+
+
+def _rel(a, b):
+    assert len(a) == len(b) and a, (a, b)
+    return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+
+
+def _run(tmp_path_factory, name, layouts, *extra, nproc=4):
+    folder = tmp_path_factory.mktemp(name)
+    out = folder / "out.json"
+    args = [out, *layouts, "--steps", STEPS, *map(str, extra)]
+    if nproc == 1:
+        run_python(SCRIPT, args)
+    else:
+        run_torchrun(SCRIPT, nproc, args)
+    return {r["layout"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _run(tmp_path_factory, "ref", ["dp1"], nproc=1)["dp1"]
+
+
+@pytest.fixture(scope="module")
+def job_a(tmp_path_factory, ckpt):
+    return _run(tmp_path_factory, "a", ["dp4", "dp2tp2", "dp4ep2"], "--ckpt", ckpt, "--save-step", SAVE_STEP)
+
+
+@pytest.fixture(scope="module")
+def job_b(tmp_path_factory):
+    return _run(tmp_path_factory, "b", ["dp4ep4", "dp2tp2ep4", "rep2dp2ep2"], "--recompute", "dp2tp2ep4")
+
+
+@pytest.fixture(scope="module")
+def job_resume(tmp_path_factory, ckpt, job_a):
+    return _run(tmp_path_factory, "resume", ["dp2tp2<dp4", "dp4ep2<dp4", "dp4ep4<dp4", "dp4<dp4ep2", "dp4<dp2tp2"],
+                "--ckpt", ckpt)
+
+
+@pytest.mark.parametrize("layout", ["dp4", "dp2tp2", "dp4ep2"])
+def test_layouts_match_one_process_a(reference, job_a, layout):
+    _check_exact(reference, job_a[layout])
+
+
+@pytest.mark.parametrize("layout", ["dp4ep4", "dp2tp2ep4", "rep2dp2ep2"])
+def test_layouts_match_one_process_b(reference, job_b, layout):
+    _check_exact(reference, job_b[layout])
+
+
+def _check_exact(reference, run):
+    assert run["micro_batches"] >= 2
+    assert len(run["losses"]) == STEPS
+    assert _rel(reference["losses"], run["losses"]) <= RTOL
+    assert _rel(reference["grad_norms"], run["grad_norms"]) <= RTOL
+    # every token counted once: the step's count equals the 1-process count
+    assert run["tokens"] == reference["tokens"]
+    assert run["consumed_tokens"] == reference["consumed_tokens"] == sum(reference["tokens"])
+
+
+def test_placements(job_a, job_b):
+    q, experts = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.gate_up_proj"
+    dp4, tp, ep2 = job_a["dp4"]["placements"], job_a["dp2tp2"]["placements"], job_a["dp4ep2"]["placements"]
+    assert dp4[q] == "('dp_shard',):(Shard(dim=0),)"
+    assert tp[q].startswith("('dp_shard', 'tp'):") and tp[q].endswith("Shard(dim=0))")
+    assert tp["lm_head.weight"].startswith("('dp_shard', 'tp'):")          # LM head and embeddings: TP too
+    assert tp["model.embed_tokens.weight"].startswith("('dp_shard', 'tp'):")
+    assert tp["model.layers.0.mlp.gate.weight"] == "('dp_shard',):(Shard(dim=0),)"   # router replicated over tp
+    assert ep2[experts].startswith("('efsdp', 'ep'):") and ep2[experts].endswith("Shard(dim=0))")
+    assert ep2[q] == "('dp_shard',):(Shard(dim=0),)"                       # dense params stay on the dense mesh
+    hsdp = job_b["rep2dp2ep2"]["placements"][experts]
+    assert hsdp.startswith("('dp_replicate', 'efsdp', 'ep'):(Replicate(),")
+
+
+def test_each_rank_holds_its_share_of_expert_bytes(job_a, job_b):
+    for run in (job_a["dp4ep2"], job_b["dp4ep4"], job_b["dp2tp2ep4"]):
+        assert run["expert_bytes_share"] == pytest.approx(0.25, abs=0.01), run["layout"]
+    assert job_b["rep2dp2ep2"]["expert_bytes_share"] == pytest.approx(0.5, abs=0.01)   # replicated x 2
+    # TP leaves packed experts whole (DCP cannot save their strided layout): FSDP over dp_shard 2 only
+    assert job_a["dp2tp2"]["expert_bytes_share"] == pytest.approx(0.5, abs=0.01)
+
+
+def test_aux_loss_present_in_every_layout(reference, job_a, job_b):
+    assert all(a > 0 for a in reference["aux_losses"])
+    for run in [*job_a.values(), *job_b.values()]:
+        # each rank logs its own micro-batches' aux losses: positive, of the reference's order
+        assert all(a > 0 for a in run["aux_losses"]), run["layout"]
+
+
+@pytest.mark.parametrize("spec", ["dp2tp2<dp4", "dp4ep2<dp4", "dp4ep4<dp4", "dp4<dp4ep2", "dp4<dp2tp2"])
+def test_resume_across_layouts_is_exact(reference, job_resume, spec):
+    run = job_resume[spec]
+    assert run["start_step"] == SAVE_STEP
+    assert len(run["losses"]) == STEPS - SAVE_STEP
+    assert _rel(reference["losses"][SAVE_STEP:], run["losses"]) <= RTOL
+    assert _rel(reference["grad_norms"][SAVE_STEP:], run["grad_norms"]) <= RTOL
+    assert run["consumed_tokens"] == reference["consumed_tokens"]
+
+
+# ----------------------------------------------------------------------- MoE aux loss, in-process
+def _tiny_moe(aux=None, **overrides):
+    return build_causal_lm(qwen3_moe_config(num_experts=8, **overrides), seed=0, router_aux_loss=aux)
+
+
+def _batch():
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def test_aux_loss_on_by_default_and_equals_transformers():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = _tiny_moe()
+    assert model.config.output_router_logits is True
+    out = model(**_batch())
+    config = model.config
+    expected = load_balancing_loss_func(out.router_logits, config.num_experts, config.num_experts_per_tok, None)
+    assert out.aux_loss is not None and float(out.aux_loss.detach()) > 0
+    torch.testing.assert_close(out.aux_loss, expected)
+    plain = _tiny_moe(aux=False)
+    plain.load_state_dict(model.state_dict())
+    main = plain(**_batch()).loss
+    torch.testing.assert_close(out.loss, main + config.router_aux_loss_coef * out.aux_loss)
+
+
+def test_aux_loss_changes_the_gradient():
+    with_aux, without = _tiny_moe(router_aux_loss_coef=0.1), _tiny_moe(aux=False)
+    without.load_state_dict(with_aux.state_dict())
+    for model in (with_aux, without):
+        model(**_batch()).loss.backward()
+    gate = "model.layers.0.mlp.gate.weight"
+    grads = [dict(m.named_parameters())[gate].grad for m in (with_aux, without)]
+    assert not torch.allclose(grads[0], grads[1])
+
+
+def test_dense_model_keeps_no_router_logits():
+    from transformers import Qwen3Config
+    model = build_causal_lm(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8), meta_device=True)
+    assert not getattr(model.config, "output_router_logits", False)
+
+
+# ----------------------------------------------------------------------- bad input: one clear error each
+def test_ep_must_divide_the_ranks_of_a_replica():
+    with pytest.raises(ValueError, match="ep_size=3 does not divide dp_shard"):
+        ParallelConfig(ep_size=3).resolved(4)
+    with pytest.raises(ValueError, match="ep_size=4 does not divide dp_shard"):
+        ParallelConfig(dp_replicate_size=2, ep_size=4).resolved(4)
+
+
+def test_ep_must_divide_the_experts():
+    model = build_causal_lm(qwen3_moe_config(num_experts=6), meta_device=True)
+    with pytest.raises(ValueError, match="ep_size=4 does not divide the 6 experts"):
+        parallel.check_model(model, ParallelConfig(ep_size=4).resolved(4))
+
+
+def test_tp_must_divide_heads_and_kv_heads():
+    model = build_causal_lm(qwen3_moe_config(), meta_device=True)      # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="num_key_value_heads=2"):
+        parallel.check_model(model, ParallelConfig(tp_size=4).resolved(4))
+    parallel.check_model(model, ParallelConfig(tp_size=2).resolved(4))
+
+
+def test_dense_model_with_ep_is_an_error():
+    from transformers import Qwen3Config
+    model = build_causal_lm(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8), meta_device=True)
+    with pytest.raises(ValueError, match="dense model"):
+        parallel.check_model(model, ParallelConfig(ep_size=2).resolved(4))
+
+
+def test_model_without_tp_plan_is_an_error():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="publishes no tensor-parallel plan"):
+        parallel.check_model(model, ParallelConfig(tp_size=2).resolved(2))
+
+
+def test_cp_still_refused():
+    from hyperacc.mesh import check_supported
+    with pytest.raises(NotImplementedError, match="context parallelism is not supported yet"):
+        check_supported(ParallelConfig(cp_size=2).resolved(4))
+
+
+def test_ep_size_from_environment():
+    from hyperacc.config import from_environment
+    config = from_environment(ParallelConfig(), {"HYPERACC_PARALLEL_EP_SIZE": "4"})
+    assert config.ep_size == 4 and config.resolved(8).efsdp_size == 2
