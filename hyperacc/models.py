@@ -73,16 +73,27 @@ def has_pretrained_weights(path: str) -> bool:
     return any(n.endswith((".safetensors", ".bin")) and "model" in n for n in names)
 
 
-def load_pretrained(path_or_id: str, *, dtype=None):
-    """Load weights with `from_pretrained` (hub id or local directory) on every rank.
+def load_pretrained(path_or_id: str, *, accelerator=None, dtype=None):
+    """Pretrained weights from a local directory or a hub id already in the local cache.
 
-    Loading on every rank, rather than rank 0 only, keeps the weights defined everywhere before
-    sharding (accelerate's FSDP_CPU_RAM_EFFICIENT_LOADING would leave other ranks empty).
+    With an ``accelerator`` the model comes back on the meta device, remembering its safetensors
+    files, and ``accelerator.prepare(model)`` reads each rank's shards straight from them (no rank
+    ever holds the whole model; see `hyperacc.weights.load`). Without one it is a plain
+    `from_pretrained` on this process; loading on every rank, rather than rank 0 only, keeps the
+    weights defined everywhere (accelerate's FSDP_CPU_RAM_EFFICIENT_LOADING would leave other
+    ranks empty).
     """
     from transformers import AutoModelForCausalLM
 
+    from hyperacc.weights.files import resolve_model_dir
+
+    if accelerator is not None:
+        from hyperacc.weights.load import build_for_sharded_load
+
+        return build_for_sharded_load(path_or_id, dtype=dtype)
     with _without_ram_efficient_loading():
-        return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, attn_implementation="eager")
+        return AutoModelForCausalLM.from_pretrained(resolve_model_dir(path_or_id), dtype=dtype,
+                                                    attn_implementation="eager")
 
 
 @contextlib.contextmanager

@@ -61,7 +61,7 @@ def _policies(config: FSDPConfig, device_type: str) -> dict:
 
 
 def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device,
-                seed: int) -> nn.Module:
+                seed: int, *, initialize: bool = True) -> nn.Module:
     """Apply FSDP2 to ``model`` in place and return it, initialised if it was on the meta device.
 
     ``mesh``: the job's `hyperacc.mesh.MeshInfo` (tensor and expert parallelism are applied first,
@@ -107,7 +107,11 @@ def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device
         fully_shard(block, mesh=fsdp_mesh, **kwargs)
     fully_shard(model, mesh=fsdp_mesh, **kwargs)
     if on_meta:
-        materialize(model, torch.device("cpu") if "offload_policy" in kwargs else device, seed)
+        target = torch.device("cpu") if "offload_policy" in kwargs else device
+        if initialize:
+            materialize(model, target, seed)
+        else:   # ``initialize=False``: the caller fills the shards next (pretrained weights)
+            model.to_empty(device=target)
     return model
 
 

@@ -1,0 +1,163 @@
+"""Sharded Hugging Face export: every rank writes the safetensors files of the tensors assigned to
+it, in parallel, into a temporary directory that becomes the export only when complete.
+
+Why: gathering the full state dict on rank 0 costs the whole model in rank 0's host memory (122 GB
+for Qwen3-30B-A3B in fp32) and one writer for all of it. Here each tensor is gathered
+(`DTensor.full_tensor`, one tensor at a time), kept only by the rank that owns it in the file plan,
+and appended to that rank's file as it arrives: no rank holds more than one full tensor, and all
+ranks write at once. Fused MoE experts are written per expert, the way `save_pretrained` does, so
+the result loads with `from_pretrained` (and vLLM and every other reader of HF checkpoints).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hyperacc.weights import layout
+from hyperacc.weights.files import INDEX_FILE, SINGLE_FILE
+from hyperacc.weights.load import model_class
+from hyperacc.weights.writer import Entry, RankWriter, plan_files, write_index
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def export_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """The tensors an export holds, in model order: parameters once each (a tied head is not
+    written, as `save_pretrained` does) and persistent buffers."""
+    skip = set()
+    for prefix, module in model.named_modules():
+        skip.update(f"{prefix}.{b}" if prefix else b for b in getattr(module, "_non_persistent_buffers_set", ()))
+    tensors = list(model.named_parameters())
+    tensors += [(n, b) for n, b in model.named_buffers() if n not in skip]
+    return tensors
+
+
+def entry_groups(tensors) -> List[List[Entry]]:
+    return [[Entry(p.key, tensor.dtype, p.key_shape) for p in layout.export_pieces(name, tuple(tensor.shape))]
+            for name, tensor in tensors]
+
+
+def piece_of(full: torch.Tensor, piece: layout.Piece) -> torch.Tensor:
+    index = tuple(slice(o, o + n) for o, n in zip(piece.offset, piece.shape))
+    data = full[index]
+    return data.reshape(piece.key_shape) if piece.stacked else data
+
+
+def hf_config(model: nn.Module, dtype: Optional[torch.dtype]):
+    """The model's config as `save_pretrained` would write it: its own class as architecture."""
+    config = copy.deepcopy(getattr(model, "config", None))
+    if config is not None:
+        config.architectures = [model_class(model).__name__]
+        if dtype is not None:
+            config.dtype = dtype
+    return config
+
+
+def write_metadata(directory: str, config, generation_config=None) -> None:
+    if config is not None:
+        config.save_pretrained(directory)
+    if generation_config is not None:
+        generation_config.save_pretrained(directory)
+
+
+def export_sharded(model: nn.Module, out_dir: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                   group=None, into_existing: bool = False) -> str:
+    """Collective: every rank calls it; the files appear in ``out_dir`` all at once. Refuses an
+    ``out_dir`` that holds files (``into_existing=True``: one that holds no weights, e.g. a
+    tokenizer; the weights are moved in, index last). Returns ``out_dir``."""
+    out_dir = os.path.abspath(out_dir)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    tmp = _agree(lambda: _start(out_dir, into_existing), group)
+    tensors = export_tensors(model)
+    files = plan_files(entry_groups(tensors), world, max_shard_bytes)
+    writer = RankWriter(tmp, files, rank)
+    error = None
+    for name, tensor in tensors:
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor     # collective for a DTensor
+        pieces = layout.export_pieces(name, tuple(tensor.shape))
+        if error is None and writer.owns(pieces[0].key):
+            try:
+                for piece in pieces:
+                    writer.write(piece.key, piece_of(full.detach(), piece))
+            except Exception as err:  # noqa: BLE001 - every rank must keep joining the gathers
+                error = err
+        del full
+    try:
+        writer.close()
+    except Exception as err:  # noqa: BLE001
+        error = error or err
+    _raise_if_any_failed(error, group)
+    dtype = tensors[0][1].dtype if tensors else None
+    gen = getattr(model, "generation_config", None) if getattr(model, "can_generate", lambda: False)() else None
+    return _agree(lambda: _finish(tmp, out_dir, files, hf_config(model, dtype), gen, into_existing), group)
+
+
+# --------------------------------------------------------------------------- directory handling
+def _start(out_dir: str, into_existing: bool) -> str:
+    """Rank 0: refuse to overwrite, clear a stale temp dir of ours, create the temp dir."""
+    if os.path.islink(out_dir) or os.path.isfile(out_dir):
+        raise FileExistsError(f"{out_dir} exists and is not a directory; choose another output directory.")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        clash = [n for n in os.listdir(out_dir) if n.endswith(".safetensors") or n in (INDEX_FILE, "config.json")]
+        if not into_existing or clash:
+            what = clash[0] if clash else sorted(os.listdir(out_dir))[0]
+            raise FileExistsError(f"{out_dir} is not empty (it holds {what}); hyperacc never writes over a directory: "
+                                  "export to a new directory or remove it.")
+    tmp = f"{out_dir}.tmp-hyperacc-export"
+    if os.path.islink(tmp):
+        raise FileExistsError(f"{tmp} is a symlink; remove it.")
+    shutil.rmtree(tmp, ignore_errors=True)      # a crashed export of ours; never a user's directory name
+    os.makedirs(tmp)
+    return tmp
+
+
+def _finish(tmp: str, out_dir: str, files, config, generation_config, into_existing: bool) -> str:
+    write_metadata(tmp, config, generation_config)
+    write_index(tmp, files)
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)
+        os.replace(tmp, out_dir)
+        return out_dir
+    names = sorted(os.listdir(tmp), key=lambda n: n in (INDEX_FILE, SINGLE_FILE))   # the index last
+    for name in names:
+        os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    os.rmdir(tmp)
+    return out_dir
+
+
+def _agree(fn, group):
+    """Run ``fn`` on rank 0; its result, or its error, on every rank."""
+    if not dist.is_initialized():
+        return fn()
+    outcome = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            outcome[0] = ("ok", fn())
+        except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+            outcome[0] = ("error", f"{type(err).__name__}: {err}")
+    dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    kind, value = outcome[0]
+    if kind == "error":
+        raise RuntimeError(f"Hugging Face export failed: {value}")
+    return value
+
+
+def _raise_if_any_failed(error: Optional[BaseException], group) -> None:
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    errors = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise RuntimeError(f"Hugging Face export failed on rank {failed[0][0]}: {failed[0][1]}") from error

@@ -1,0 +1,118 @@
+"""The safetensors files of a Hugging Face model directory: where they are and what they hold.
+
+Why read the headers ourselves: a sharded load must know every key's shape and dtype before it
+reads a byte, so that a missing file, a missing key or a wrong shape is one clear error raised
+before any rank has copied anything. Opening a safetensors file reads only its JSON header; the
+tensors are memory-mapped and each `read` copies just the requested slice.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+SAFETENSORS_DTYPE = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+class WeightsError(ValueError):
+    """The weights do not fit the model (or cannot be read): one line naming the key or file."""
+
+
+def resolve_model_dir(path_or_id: str) -> str:
+    """A local directory for ``path_or_id``: the directory itself, or the snapshot of a hub id that
+    is already in the local Hugging Face cache (``HF_HUB_CACHE``). Nothing is downloaded."""
+    if os.path.isdir(path_or_id):
+        return os.path.abspath(path_or_id)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(path_or_id, local_files_only=True)
+    except (LocalEntryNotFoundError, ValueError, OSError) as err:
+        raise WeightsError(f"{path_or_id!r} is neither a local directory nor a model in the local Hugging Face "
+                           f"cache ({type(err).__name__}); download it first (huggingface-cli download "
+                           f"{path_or_id}) or pass the directory that holds its config.json and *.safetensors."
+                           ) from None
+
+
+def has_safetensors(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, INDEX_FILE)) or os.path.isfile(os.path.join(directory, SINGLE_FILE))
+
+
+class WeightFiles:
+    """Key -> (file, dtype, shape) of a model directory's safetensors, and slice reads."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.entries: Dict[str, Tuple[str, torch.dtype, Tuple[int, ...]]] = {}
+        self._handles: Dict[str, object] = {}
+        index = os.path.join(directory, INDEX_FILE)
+        if os.path.isfile(index):
+            with open(index) as handle:
+                try:
+                    weight_map = json.load(handle)["weight_map"]
+                except (ValueError, KeyError) as err:
+                    raise WeightsError(f"{index} is not a safetensors index ({err}); re-export the model.") from None
+            files = sorted(set(weight_map.values()))
+        elif os.path.isfile(os.path.join(directory, SINGLE_FILE)):
+            weight_map, files = None, [SINGLE_FILE]
+        else:
+            raise WeightsError(f"{directory} holds no {SINGLE_FILE} or {INDEX_FILE} (hyperacc loads safetensors "
+                               "weights only; convert *.bin weights with transformers' save_pretrained).")
+        for name in files:
+            file = os.path.join(directory, name)
+            if not os.path.isfile(file):
+                raise WeightsError(f"shard file {name} listed in {INDEX_FILE} is missing from {directory}; "
+                                   "copy the complete model directory.")
+            for key, (dtype, shape) in _header(file).items():
+                self.entries[key] = (name, dtype, shape)
+        if weight_map is not None:
+            for key, name in weight_map.items():
+                if self.entries.get(key, (name,))[0] != name:
+                    raise WeightsError(f"{INDEX_FILE} in {directory} puts key {key!r} in {name}, but that file "
+                                       "does not hold it; the index does not match the shard files.")
+
+    def shape(self, key: str) -> Optional[Tuple[int, ...]]:
+        entry = self.entries.get(key)
+        return None if entry is None else entry[2]
+
+    def read(self, key: str, index) -> torch.Tensor:
+        """``key[index]`` (a tuple of slices), copied out of the memory-mapped file."""
+        from safetensors import safe_open
+
+        name = self.entries[key][0]
+        handle = self._handles.get(name)
+        if handle is None:
+            handle = self._handles[name] = safe_open(os.path.join(self.directory, name), framework="pt")
+        return handle.get_slice(key)[index]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _header(file: str) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]:
+    """The tensors of one safetensors file from its JSON header (8-byte length, then JSON)."""
+    try:
+        with open(file, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            if not 0 < size < 1 << 30:
+                raise ValueError(f"header length {size}")
+            header = json.loads(handle.read(size))
+    except (OSError, ValueError) as err:
+        raise WeightsError(f"{file} is not a readable safetensors file ({err}); the download or copy is damaged.") from None
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if info.get("dtype") not in _DTYPES:
+            raise WeightsError(f"{file}: key {key!r} has dtype {info.get('dtype')}, which hyperacc does not load.")
+        out[key] = (_DTYPES[info["dtype"]], tuple(int(n) for n in info["shape"]))
+    return out

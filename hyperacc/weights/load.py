@@ -1,0 +1,179 @@
+"""Sharded loading: a model built on the meta device remembers its weight files, and after it is
+sharded every rank reads only its own slices of the safetensors files straight into its shards.
+
+Why: `from_pretrained` on every rank holds the whole model on every rank (30.5 B parameters x 4
+bytes = 122 GB per rank in fp32) and reads the files once per rank. Here each rank's peak is its
+shard plus one slice, and the bytes read in total are about one copy of the model. The slice a
+rank owns comes from its DTensor's placements (FSDP2, TP, EP or any mix), so the loader does not
+know or care which layout produced it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hyperacc.weights import layout
+from hyperacc.weights.files import WeightFiles, WeightsError, has_safetensors, resolve_model_dir
+
+logger = logging.getLogger("hyperacc.weights")
+SOURCE_ATTR = "hyperacc_weights_source"
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsSource:
+    """Where a meta-device model's weights are: a local directory of safetensors files."""
+
+    directory: str
+    dtype: torch.dtype
+
+
+def source_of(model: nn.Module) -> Optional[WeightsSource]:
+    """The weights a model built by `build_for_sharded_load` is waiting for (None otherwise)."""
+    return getattr(model, SOURCE_ATTR, None)
+
+
+def build_for_sharded_load(path_or_id: str, *, dtype=None, attn_implementation: str = "eager") -> nn.Module:
+    """The model of ``path_or_id`` on the meta device (no memory), remembering its weight files;
+    `fill_shards` loads them after sharding. ``dtype``: None keeps the checkpoint's (config's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = resolve_model_dir(path_or_id)
+    if not has_safetensors(directory):
+        raise WeightsError(f"{directory} holds no model.safetensors or model.safetensors.index.json: hyperacc "
+                           "loads safetensors weights only (re-save *.bin weights with save_pretrained).")
+    config = AutoConfig.from_pretrained(directory)
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    model.name_or_path = path_or_id
+    setattr(model, SOURCE_ATTR, WeightsSource(directory, dtype))
+    return model
+
+
+# --------------------------------------------------------------------------- plan
+def plan(model: nn.Module, files: WeightFiles) -> Dict[str, List[layout.Piece]]:
+    """Tensor name -> the checkpoint pieces that tile it, for every parameter and persistent buffer;
+    raises one WeightsError naming the first missing, unexpected or mis-shaped key."""
+    tensors = dict(model.named_parameters())
+    non_persistent = _non_persistent(model)
+    tensors.update({n: b for n, b in model.named_buffers() if n not in non_persistent})
+    out, missing = {}, []
+    for name, tensor in tensors.items():
+        try:
+            out[name] = layout.load_pieces(name, tuple(tensor.shape), files.shape)
+        except KeyError as err:
+            missing.append((name, err.args[0]))
+        except ValueError as err:
+            raise WeightsError(f"{files.directory}: {err}") from None
+    arch = model_class(model).__name__
+    if missing:
+        name, key = missing[0]
+        what = f"key {key!r} (for parameter {name})" if key != name else f"key {name!r}"
+        raise WeightsError(f"{files.directory}: {what} is missing from the checkpoint"
+                           f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; it is not a {arch} "
+                           "checkpoint of this config (another architecture?), or its files are incomplete.")
+    used = {piece.key for pieces in out.values() for piece in pieces}
+    tied = layout.aliases(model)
+    unexpected = [k for k in files.entries if k not in used and k not in tied and not layout.ignorable(k, model)]
+    if unexpected:
+        raise WeightsError(f"{files.directory}: key {unexpected[0]!r} in the checkpoint matches no parameter of "
+                           f"{arch}{f' (and {len(unexpected) - 1} more)' if len(unexpected) > 1 else ''}: a "
+                           "checkpoint of another architecture, or a layout hyperacc does not map.")
+    return out
+
+
+# --------------------------------------------------------------------------- load
+@torch.no_grad()
+def fill_shards(model: nn.Module, source: Optional[WeightsSource] = None) -> dict:
+    """Read every rank's own slices of its parameters and persistent buffers from the safetensors
+    files (converting dtype on the fly) and initialise non-persistent buffers (rotary tables).
+    Called on every rank after sharding; no collectives. Returns {"seconds", "bytes_read"}."""
+    source = source or source_of(model)
+    start = time.perf_counter()
+    files = WeightFiles(source.directory)
+    try:
+        pieces = plan(model, files)
+        _init_non_persistent_buffers(model)
+        tensors = dict(model.named_parameters())
+        tensors.update(dict(model.named_buffers()))
+        read = 0
+        for name, tensor_pieces in pieces.items():
+            read += _fill(tensors[name], name, tensor_pieces, files)
+    finally:
+        files.close()
+    if hasattr(model, SOURCE_ATTR):
+        delattr(model, SOURCE_ATTR)     # loaded: a second prepare must not load again
+    stats = {"seconds": time.perf_counter() - start, "bytes_read": read}
+    logger.info("loaded %s into shards: %.1f MiB read in %.2f s", source.directory, read / 2**20, stats["seconds"])
+    return stats
+
+
+def local_box(tensor: torch.Tensor):
+    """(global offset, shape, local tensor) of this rank's part of ``tensor`` (whole if not a DTensor)."""
+    if not isinstance(tensor, DTensor):
+        return (0,) * tensor.dim(), tuple(tensor.shape), tensor
+    local = tensor.to_local()
+    chunks = tensor.__create_chunk_list__()      # public DCP protocol: this rank's shard as (offsets, sizes)
+    if len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(local.shape):
+        raise WeightsError(f"a parameter placed as {tensor.placements} has no single contiguous box per rank; "
+                           "the sharded loader cannot fill it (load with accelerator=None instead).")
+    return tuple(chunks[0].offsets), tuple(chunks[0].sizes), local
+
+
+def _fill(tensor: torch.Tensor, name: str, pieces: List[layout.Piece], files: WeightFiles) -> int:
+    offset, shape, local = local_box(tensor)
+    covered = read = 0
+    for piece in pieces:
+        overlap = layout.intersect(offset, shape, piece)
+        if overlap is None:
+            continue
+        source_index, dest_index = overlap
+        data = files.read(piece.key, source_index)
+        dest = local[dest_index]
+        dest.copy_(data.reshape(dest.shape))        # converts the dtype on the fly
+        covered += dest.numel()
+        read += data.numel() * data.element_size()
+    if covered != local.numel():
+        raise WeightsError(f"{files.directory}: the checkpoint pieces of {name} cover {covered} of this rank's "
+                           f"{local.numel()} elements (overlapping or partial keys).")
+    return read
+
+
+def _non_persistent(model: nn.Module) -> set:
+    names = set()
+    for prefix, module in model.named_modules():
+        for buffer in getattr(module, "_non_persistent_buffers_set", ()):
+            names.add(f"{prefix}.{buffer}" if prefix else buffer)
+    return names
+
+
+def _init_non_persistent_buffers(model: nn.Module) -> None:
+    """Buffers no checkpoint holds (rotary inverse frequencies) are computed by the model's own
+    initialiser, as `from_pretrained` does."""
+    init = getattr(model, "_init_weights", None)
+    for prefix, module in model.named_modules():
+        own = [b for b in getattr(module, "_non_persistent_buffers_set", ()) if module._buffers.get(b) is not None]
+        if not own:
+            continue
+        if init is None:
+            raise WeightsError(f"{type(model).__name__} has non-persistent buffer(s) {prefix}.{own[0]} and no "
+                               "_init_weights to compute them; load it with accelerator=None.")
+        init(module)
+
+
+def model_class(model: nn.Module) -> type:
+    """The class the user built (FSDP2 turns it into a subclass named FSDP<Class>)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    if isinstance(model, FSDPModule):
+        cls = next(c for c in cls.__bases__ if c is not FSDPModule)
+    return cls
