@@ -66,14 +66,16 @@ def model_config(cfg, vocab_size=None):
     return config
 
 
-def build_model(cfg, vocab_size=None):
-    """On the meta device (random init after sharding), or the pretrained weights when present."""
+def build_model(cfg, vocab_size=None, accelerator=None):
+    """On the meta device (random init after sharding), or the pretrained weights when present
+    (a directory or a hub id in the local cache; with ``accelerator`` each rank later reads only
+    its own shards of them in ``prepare``)."""
     import torch
     from hyperacc.models import build_causal_lm, has_pretrained_weights, load_pretrained, with_router_aux_loss
 
     path = cfg.model.name_or_path
     if path and has_pretrained_weights(path):
-        model = load_pretrained(path, dtype=getattr(torch, cfg.model.dtype))
+        model = load_pretrained(path, accelerator=accelerator, dtype=getattr(torch, cfg.model.dtype))
         model.config.use_cache = False
         model.config = with_router_aux_loss(model.config, cfg.model.router_aux_loss)
         return model
@@ -229,7 +231,7 @@ def train(cfg, tokenizer):
 
     # Data, model, optimizer, schedule.
     train_ds, eval_ds = build_data(cfg, acc, tokenizer)
-    model = build_model(cfg, vocab_size=len(tokenizer))
+    model = build_model(cfg, vocab_size=len(tokenizer), accelerator=acc)
     vocab_size = model.config.vocab_size
     optimizer = cfg.optimizer.build(param_groups(model, cfg.optimizer.get("weight_decay", 0.0)))
     scheduler = lr_lambda_scheduler(optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.max_steps)

@@ -66,9 +66,15 @@ def build_causal_lm(config, *, meta_device: bool = False, seed: Optional[int] = 
 
 
 def has_pretrained_weights(path: str) -> bool:
-    """True when ``path`` is a local directory holding Hugging Face weights."""
+    """True when ``path`` is a local directory holding Hugging Face weights, or a hub id whose
+    weights are already in the local Hugging Face cache (nothing is downloaded)."""
     if not os.path.isdir(path):
-        return False
+        from hyperacc.weights.files import WeightsError, resolve_model_dir
+
+        try:
+            path = resolve_model_dir(path)
+        except WeightsError:
+            return False
     names = os.listdir(path)
     return any(n.endswith((".safetensors", ".bin")) and "model" in n for n in names)
 

@@ -278,7 +278,7 @@ class Checkpointer:
             optim_state.apply(owners[i], optimizers[i], payload[buckets.optimizer_key(i)], plan["optim"][i]["groups"])
 
         clock.lap("apply")
-        if cfg.restore_train_state:
+        if cfg.restore_train_state and not plan.get("model_only"):
             _comm.run_on_every_rank(
                 lambda: restore.restore_train_state(state, plan, payload, optimizer_restored=n_opt > 0,
                                                     device_type=self.device_type), self.cpu_group)

@@ -73,6 +73,11 @@ def plan_load(cfg, path: str, model_keys, live_groups: List[List[List[str]]], st
             raise RuntimeError(f"missing model key(s) in checkpoint {path}: {missing[:8]}"
                                f"{' ...' if len(missing) > 8 else ''} (the model does not match the "
                                "checkpoint; set is_peft=True only for adapter checkpoints).")
+    if sentinel.get("contents") == "model":
+        # A model-only checkpoint (`convert from-hf`): where a run starts, not where one resumes.
+        logger.info("%s holds weights only: optimizer, schedule, loader and progress start fresh.", path)
+        return {"path": path, "saved_optimizers": 0, "optim": [], "layout": "none", "model_only": True,
+                "saved_world_size": None, "saved_dp_size": None, "embedded_numel": None, "same_topology": False}
     n_optimizers = len(live_groups)
     saved_optimizers = sentinel.get("optimizers")
     if saved_optimizers is None:
