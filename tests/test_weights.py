@@ -1,0 +1,206 @@
+"""Pretrained weights at scale (issue 13): sharded load, sharded export, offline conversion.
+
+Real processes (torchrun/accelerate launch, gloo): the load at 1, 2 (expert-parallel) and 4
+processes equals `from_pretrained` bitwise and gives its first-step loss, and each export reloads
+bitwise (tests/scripts/weights_check.py); the example loads a hub id from a fake local cache,
+saves a checkpoint with its in-job export, `to-hf` of that checkpoint equals the export, and a run
+started from `from-hf`'s model-only checkpoint has the first loss of the run that loaded the HF
+directory. Bad inputs are checked in-process (no process group): one clear error each.
+"""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.dist_utils import REPO, run_accelerate, run_python, run_torchrun
+
+CHECK = REPO / "tests" / "scripts" / "weights_check.py"
+EXAMPLE = REPO / "examples" / "train_qwen.py"
+CPU2 = REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
+HUB_ID = "hyperacc-test/tiny-moe"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """An untied tiny Qwen3-MoE (the example's preset, the default tokenizer's vocabulary), a
+    tied dense Qwen3, both saved by transformers' save_pretrained; and a fake hub cache."""
+    from transformers import Qwen3Config
+
+    from hyperacc.models import build_causal_lm, qwen3_moe_config
+
+    root = tmp_path_factory.mktemp("weights")
+    moe = build_causal_lm(qwen3_moe_config(vocab_size=512), seed=3)
+    moe.save_pretrained(root / "moe")
+    moe.save_pretrained(root / "moe_sharded", max_shard_size="100KB")
+    dense = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    build_causal_lm(dense, seed=4).save_pretrained(root / "dense")
+    repo = root / "hub" / f"models--{HUB_ID.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    moe.save_pretrained(repo / "snapshots" / COMMIT)
+    return root
+
+
+def _checked(out, n):
+    results = json.load(open(out))
+    assert len(results) == n
+    for r in results:
+        assert r["params_equal"] and r["buffers_equal"] and r["export_equal"], r
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6, abs=0), r
+    return results
+
+
+def test_load_one_process_tied_and_untied(models, tmp_path):
+    run_python(CHECK, ["--model", models / "dense", models / "moe_sharded", "--out", tmp_path / "r.json",
+                       "--export", tmp_path / "exp"], timeout=300)
+    dense, moe = _checked(tmp_path / "r.json", 2)
+    assert "lm_head.weight" not in _read(tmp_path / "exp" / "0")      # tied: written once, as save_pretrained does
+    assert "model.safetensors.index.json" in moe["export_files"]
+
+
+def test_load_two_processes_expert_parallel(models, tmp_path):
+    run_torchrun(CHECK, 2, ["--model", models / "moe", "--out", tmp_path / "r.json", "--export", tmp_path / "exp",
+                            "--ep", 2], timeout=300)
+    (moe,) = _checked(tmp_path / "r.json", 1)
+    assert "model.safetensors.index.json" in moe["export_files"]
+
+
+def test_load_four_processes(models, tmp_path):
+    run_torchrun(CHECK, 4, ["--model", models / "moe_sharded", "--out", tmp_path / "r.json",
+                            "--export", tmp_path / "exp"], timeout=300)
+    _checked(tmp_path / "r.json", 1)
+
+
+# --------------------------------------------------------------------------- the example, conversion
+def _example(args, env=None):
+    run_accelerate(EXAMPLE, CPU2, ["--logging.progress_bar=false", "--training.max_steps=1", "--data.tokenizer=default",
+                                   *map(str, args)], env=env, timeout=300)
+
+
+def _first_loss(path):
+    return [json.loads(line) for line in open(path) if '"loss"' in line][0]["loss"]
+
+
+def _read(directory):
+    out = {}
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
+
+
+def _same_safetensors(a, b):
+    x, y = _read(a), _read(b)
+    assert sorted(x) == sorted(y)
+    for key in x:
+        assert x[key].dtype == y[key].dtype and torch.equal(x[key], y[key]), key
+
+
+def test_example_hub_id_to_hf_and_from_hf(models, tmp_path, monkeypatch):
+    from hyperacc.checkpoint.convert import from_hf, to_hf
+
+    hub = {"HF_HUB_CACHE": str(models / "hub")}
+    _example([f"--model.name_or_path={HUB_ID}", "--checkpoint.save_ckpt=true", f"--checkpoint.checkpoint_dir={tmp_path / 'a'}",
+              "--checkpoint.save_consolidated=final", f"--logging.metrics_file={tmp_path / 'a.jsonl'}"], env=hub)
+    step = tmp_path / "a" / "global_step_1"
+    # to-hf of the checkpoint equals the in-job export (config from the run's config.yaml: the hub id).
+    monkeypatch.setenv("HF_HUB_CACHE", hub["HF_HUB_CACHE"])
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", hub["HF_HUB_CACHE"])
+    to_hf(str(step), str(tmp_path / "converted"), max_shard_bytes=150_000, progress=False)
+    _same_safetensors(step / "hf", tmp_path / "converted")
+    assert json.load(open(tmp_path / "converted" / "config.json"))["architectures"] == ["Qwen3MoeForCausalLM"]
+    # from-hf -> a run of the preset model restored from it: the first loss of the run that loaded the HF weights.
+    from_hf(HUB_ID, str(tmp_path / "b"), progress=False)
+    _example([f"--checkpoint.restore_from={tmp_path / 'b'}", f"--logging.metrics_file={tmp_path / 'b.jsonl'}"])
+    assert _first_loss(tmp_path / "b.jsonl") == pytest.approx(_first_loss(tmp_path / "a.jsonl"), rel=1e-6, abs=0)
+
+
+def test_converter_cli_errors(models, tmp_path, capsys):
+    from hyperacc.checkpoint.convert import main
+
+    assert main(["from-hf", "--model", str(models / "dense"), "--output", str(tmp_path / "c")]) == 0
+    capsys.readouterr()
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("user data")
+    assert main(["to-hf", "--checkpoint", str(tmp_path / "c"), "--output", str(tmp_path / "busy"),
+                 "--config-from", str(models / "dense")]) == 2
+    assert "not empty" in capsys.readouterr().err and (tmp_path / "busy" / "keep.txt").exists()
+    # a checkpoint of another architecture: one line naming the key
+    assert main(["to-hf", "--checkpoint", str(tmp_path / "c"), "--output", str(tmp_path / "o"),
+                 "--config-from", str(models / "moe")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.embed_tokens.weight" in err and not (tmp_path / "o").exists()
+    assert main(["to-hf", "--checkpoint", str(tmp_path / "nowhere"), "--output", str(tmp_path / "o")]) == 2
+    assert "not a complete checkpoint" in capsys.readouterr().err
+    # dense round trip through the CLI, tied head written once
+    assert main(["to-hf", "--checkpoint", str(tmp_path / "c"), "--output", str(tmp_path / "o"),
+                 "--config-from", str(models / "dense")]) == 0
+    _same_safetensors(models / "dense", tmp_path / "o")
+
+
+# --------------------------------------------------------------------------- bad input, in-process
+def _load_in_process(directory):
+    from hyperacc.weights.load import build_for_sharded_load, fill_shards
+
+    model = build_for_sharded_load(str(directory))
+    model.to_empty(device="cpu")
+    fill_shards(model)
+    return model
+
+
+def _copy(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_in_process_load_equals_from_pretrained(models):
+    from transformers import AutoModelForCausalLM
+    model = _load_in_process(models / "moe_sharded")
+    ref = AutoModelForCausalLM.from_pretrained(models / "moe")
+    for (n, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), n
+    bf16 = __import__("hyperacc.weights.load", fromlist=["x"]).build_for_sharded_load(str(models / "moe"), dtype=torch.bfloat16)
+    assert next(bf16.parameters()).dtype == torch.bfloat16
+
+
+def test_bad_input_one_clear_error_each(models, tmp_path):
+    from hyperacc.weights.files import WeightsError
+
+    missing = _copy(models / "moe_sharded", tmp_path / "missing")
+    shard = sorted(n for n in os.listdir(missing) if n.endswith(".safetensors"))[1]
+    os.remove(missing / shard)
+    with pytest.raises(WeightsError, match=f"shard file {shard} .* is missing"):
+        _load_in_process(missing)
+
+    def edited(name, edit):
+        d = _copy(models / "moe", tmp_path / name)
+        tensors = load_file(str(d / "model.safetensors"))
+        edit(tensors)
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        return d
+
+    key = "model.layers.1.self_attn.q_proj.weight"
+    wrong_key = edited("key", lambda t: t.__setitem__(key.replace("q_proj", "qq_proj"), t.pop(key)))
+    with pytest.raises(WeightsError, match=f"key '{key}' is missing"):
+        _load_in_process(wrong_key)
+    wrong_shape = edited("shape", lambda t: t.__setitem__(key, t[key][:8].clone()))
+    with pytest.raises(WeightsError, match=rf"key '{key}' has shape \[8, 64\] .* \[64, 64\]"):
+        _load_in_process(wrong_shape)
+    expert = "model.layers.0.mlp.experts.2.up_proj.weight"
+    wrong_expert = edited("expert", lambda t: t.__setitem__(expert, t[expert][:, :8].clone()))
+    with pytest.raises(WeightsError, match=f"key '{expert}' has shape"):
+        _load_in_process(wrong_expert)
+    extra = edited("extra", lambda t: t.__setitem__("model.layers.0.mlp.shared_expert.weight", torch.zeros(2)))
+    with pytest.raises(WeightsError, match="key 'model.layers.0.mlp.shared_expert.weight' in the checkpoint matches no"):
+        _load_in_process(extra)
+    other = _copy(models / "moe", tmp_path / "other")        # a dense Qwen3's config over MoE weights
+    (other / "config.json").write_text((models / "dense" / "config.json").read_text())
+    with pytest.raises(WeightsError, match="another (model size or )?architecture"):
+        _load_in_process(other)
+    with pytest.raises(WeightsError, match="neither a local directory nor a model in the local Hugging Face cache"):
+        _load_in_process("nobody/nothing-cached")
