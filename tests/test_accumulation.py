@@ -64,7 +64,7 @@ def test_padded_gradients_equal_one_big_batch(reference, tmp_path):
     (big_batch,) = next(iter(loader))
     counts = (big_batch["labels"][:, 1:] != -100).sum(dim=1)
     assert len(set(counts.tolist())) > 2, "the test needs unequal token counts"
-    model = build_causal_lm(qwen3_moe_config(), seed=7)
+    model = build_causal_lm(qwen3_moe_config(), seed=7, router_aux_loss=False)
     model(**big_batch).loss.backward()
     for path in (grads_path, grads_one_proc):
         grads = torch.load(path, weights_only=True)
@@ -93,7 +93,7 @@ def test_accelerate_mode_matches_plain_loop(acc):
     k = 2
     data = [_batch(2 + i % 2) for i in range(7)]  # 7 micro-steps: syncs after 2, 4, 6 and 7
 
-    reference = build_causal_lm(qwen3_moe_config(), seed=11)
+    reference = build_causal_lm(qwen3_moe_config(), seed=11, router_aux_loss=False)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     ref_losses = []
     for index, batch in enumerate(data):
@@ -106,7 +106,7 @@ def test_accelerate_mode_matches_plain_loop(acc):
 
     acc.gradient_accumulation_steps = k
     try:
-        model = build_causal_lm(qwen3_moe_config(), seed=11)
+        model = build_causal_lm(qwen3_moe_config(), seed=11, router_aux_loss=False)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         loader = torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
         model, optimizer, loader = acc.prepare(model, optimizer, loader)
