@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.dist_utils import REPO, run_accelerate, run_python, run_torchrun
+from dist_utils import REPO, run_accelerate, run_python, run_torchrun  # tests/ is on sys.path (conftest)
 
 CHECK = REPO / "tests" / "scripts" / "weights_check.py"
 EXAMPLE = REPO / "examples" / "train_qwen.py"
@@ -204,3 +204,18 @@ def test_bad_input_one_clear_error_each(models, tmp_path):
         _load_in_process(other)
     with pytest.raises(WeightsError, match="neither a local directory nor a model in the local Hugging Face cache"):
         _load_in_process("nobody/nothing-cached")
+
+
+def test_readme_snippet_runs(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    from dist_utils import _env
+
+    readme = (REPO / "README.md").read_text()
+    section = re.search(r"^## Pretrained weights\n(.*?)(?=^## )", readme, flags=re.S | re.M).group(1)
+    (tmp_path / "snippet.py").write_text(re.findall(r"```python\n(.*?)```", section, flags=re.S)[0])
+    proc = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -53,7 +53,8 @@ class WeightFiles:
     def __init__(self, directory: str):
         self.directory = directory
         self.entries: Dict[str, Tuple[str, torch.dtype, Tuple[int, ...]]] = {}
-        self._handles: Dict[str, object] = {}
+        self._offsets: Dict[str, int] = {}
+        self._fds: Dict[str, int] = {}
         index = os.path.join(directory, INDEX_FILE)
         if os.path.isfile(index):
             with open(index) as handle:
@@ -72,8 +73,9 @@ class WeightFiles:
             if not os.path.isfile(file):
                 raise WeightsError(f"shard file {name} listed in {INDEX_FILE} is missing from {directory}; "
                                    "copy the complete model directory.")
-            for key, (dtype, shape) in _header(file).items():
+            for key, (dtype, shape, offset) in _header(file).items():
                 self.entries[key] = (name, dtype, shape)
+                self._offsets[key] = offset
         if weight_map is not None:
             for key, name in weight_map.items():
                 if self.entries.get(key, (name,))[0] != name:
@@ -85,21 +87,68 @@ class WeightFiles:
         return None if entry is None else entry[2]
 
     def read(self, key: str, index) -> torch.Tensor:
-        """``key[index]`` (a tuple of slices), copied out of the memory-mapped file."""
-        from safetensors import safe_open
+        """``key[index]`` (a tuple of slices, one per dim). Reads only the rows ``index`` spans."""
+        rows, rest = self._rows(key, index)
+        return rows[(slice(None),) + rest]
 
-        name = self.entries[key][0]
-        handle = self._handles.get(name)
-        if handle is None:
-            handle = self._handles[name] = safe_open(os.path.join(self.directory, name), framework="pt")
-        return handle.get_slice(key)[index]
+    def read_into(self, key: str, index, dest: torch.Tensor) -> bool:
+        """Read ``key[index]`` straight into ``dest`` when it is one contiguous byte range of the
+        file and ``dest`` is contiguous and of the same dtype; False (nothing read) otherwise."""
+        name, dtype, shape = self.entries[key]
+        a, b, rest = _row_range(shape, index)
+        if dtype != dest.dtype or not dest.is_contiguous() or any(
+                (s.start, s.stop) != (0, n) for s, n in zip(rest, shape[1:])) or dest.numel() != (b - a) * _numel(shape[1:]):
+            return False
+        self._pread(name, self._offsets[key] + a * _numel(shape[1:]) * dest.element_size(), dest)
+        return True
+
+    def _rows(self, key, index):
+        name, dtype, shape = self.entries[key]
+        a, b, rest = _row_range(shape, index)
+        rows = torch.empty((b - a,) + tuple(shape[1:]), dtype=dtype)
+        self._pread(name, self._offsets[key] + a * _numel(shape[1:]) * rows.element_size(), rows)
+        return rows, rest
+
+    def _pread(self, name: str, offset: int, dest: torch.Tensor) -> None:
+        """Fill contiguous ``dest`` with the file's bytes from ``offset`` (os.preadv: no extra copy,
+        no mapping that would keep the file's pages in this process's RSS)."""
+        fd = self._fds.get(name)
+        if fd is None:
+            fd = self._fds[name] = os.open(os.path.join(self.directory, name), os.O_RDONLY)
+        view = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise WeightsError(f"{os.path.join(self.directory, name)} ends early (truncated download or copy).")
+            done += n
 
     def close(self) -> None:
-        self._handles.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
-def _header(file: str) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]:
-    """The tensors of one safetensors file from its JSON header (8-byte length, then JSON)."""
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def _row_range(shape, index):
+    """(first row, end row, slices of the other dims) of ``index`` over a tensor of ``shape``."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    if not shape:
+        return 0, 1, ()
+    first = index[0].indices(shape[0])
+    rest = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index[1:], shape[1:]))
+    return first[0], first[1], rest
+
+
+def _header(file: str) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...], int]]:
+    """The tensors of one safetensors file from its JSON header (8-byte length, then JSON):
+    key -> (dtype, shape, absolute byte offset of its data)."""
     try:
         with open(file, "rb") as handle:
             size = int.from_bytes(handle.read(8), "little")
@@ -114,5 +163,5 @@ def _header(file: str) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]:
             continue
         if info.get("dtype") not in _DTYPES:
             raise WeightsError(f"{file}: key {key!r} has dtype {info.get('dtype')}, which hyperacc does not load.")
-        out[key] = (_DTYPES[info["dtype"]], tuple(int(n) for n in info["shape"]))
+        out[key] = (_DTYPES[info["dtype"]], tuple(int(n) for n in info["shape"]), 8 + size + int(info["data_offsets"][0]))
     return out

@@ -136,11 +136,12 @@ def _fill(tensor: torch.Tensor, name: str, pieces: List[layout.Piece], files: We
         if overlap is None:
             continue
         source_index, dest_index = overlap
-        data = files.read(piece.key, source_index)
         dest = local[dest_index]
-        dest.copy_(data.reshape(dest.shape))        # converts the dtype on the fly
+        if not files.read_into(piece.key, source_index, dest):     # straight into the shard when it can
+            data = files.read(piece.key, source_index)
+            dest.copy_(data.reshape(dest.shape))        # converts the dtype on the fly
         covered += dest.numel()
-        read += data.numel() * data.element_size()
+        read += dest.numel() * dest.element_size()
     if covered != local.numel():
         raise WeightsError(f"{files.directory}: the checkpoint pieces of {name} cover {covered} of this rank's "
                            f"{local.numel()} elements (overlapping or partial keys).")
