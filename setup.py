@@ -18,6 +18,7 @@ setup(
         "safetensors>=0.4",
         "numpy",
         "pyyaml",
+        "omegaconf>=2.4",
         "tqdm",
         "xxhash>=3.0",
     ],

@@ -16,10 +16,11 @@ import time
 
 import yaml
 
-# Make `import hyperacc` work from a source checkout without installing it.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Make `import hyperacc` (and the schema beside this file) work from a source checkout.
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
-from hyperacc.cli_config import ConfigError, TrainConfig, dump_config, format_config, parse_config  # noqa: E402
+from config_schema import TrainConfig, check_batch  # noqa: E402
+from hyperacc.cli_config import ConfigError, dump_config, format_config, parse_config  # noqa: E402
 
 LINGER_S = 3.0   # see _exit_with
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3_moe_tiny.yaml")
@@ -35,13 +36,7 @@ def load_config(argv):
     t, p = cfg.training, cfg.parallel
     world = t.dry_run_world_size if t.dry_run else None
     world = world or int(os.environ.get("WORLD_SIZE", "0")) or (8 if t.dry_run else 1)
-    dp = world // (max(1, p.tp_size) * max(1, p.cp_size))
-    unit = t.micro_batch_size * dp
-    if t.global_batch_size % unit:
-        raise ConfigError(
-            f"training.global_batch_size={t.global_batch_size} is not divisible by training.micro_batch_size="
-            f"{t.micro_batch_size} x {dp} data-parallel ranks (= {unit}). Fix: e.g. "
-            f"--training.global_batch_size={max(1, t.global_batch_size // unit) * unit}")
+    check_batch(t, world // (max(1, p.tp_size) * max(1, p.cp_size)))
     return cfg, world
 
 
@@ -100,8 +95,7 @@ def dry_run(cfg, world_size):
             cpu_offload=fsdp.cpu_offload, activation_checkpointing=fsdp.activation_checkpointing,
             micro_batch_size=cfg.training.micro_batch_size, seq_len=cfg.data.seq_len,
             eager_attention=cfg.model.attn_implementation in (None, "eager"),
-            micro_batches=max(1, cfg.training.global_batch_size // (cfg.training.micro_batch_size * max(
-                1, world_size // (cfg.parallel.tp_size * cfg.parallel.cp_size)))))
+            micro_batches=check_batch(cfg.training, max(1, world_size // (cfg.parallel.tp_size * cfg.parallel.cp_size))))
     except ValueError as err:
         raise ConfigError(f"dry run for {world_size} ranks: {err}") from None
     print(format_config(cfg))
@@ -160,17 +154,9 @@ def _model_config_or_error(cfg, vocab_size):
 
 def _check_parallel(cfg, world_size):
     """The parallel sizes (YAML/CLI, else the launch environment) against the world size."""
-    import copy
-
-    from hyperacc import config as hconfig
+    from hyperacc.mesh import check_supported
     try:
-        parallel = copy.deepcopy(cfg.parallel)
-        fill = getattr(hconfig, "from_environment", None)
-        if fill is not None:
-            parallel = fill(parallel)
-        resolved = parallel.resolved(world_size) if hasattr(parallel, "resolved") else parallel
-        from hyperacc.mesh import check_supported
-        check_supported(resolved)
+        check_supported(cfg.parallel.resolved(world_size))
     except (ValueError, NotImplementedError) as err:
         raise ConfigError(f"parallel sizes for {world_size} process(es): {err}") from None
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig, from_environment
+from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
 
 CHECKPOINT_ENV_PREFIX = "HYPERACC_CHECKPOINT_"
 
@@ -32,7 +32,7 @@ NOT_SUPPORTED = {
 }
 
 # Launch-environment switches that would make accelerate's own __init__ build a second FSDP plugin,
-# device mesh or DeepSpeed engine. hyperacc reads their settings itself (config.from_environment).
+# device mesh or DeepSpeed engine. hyperacc reads their settings itself (hyperacc.config.resolve).
 _ACCELERATE_SWITCHES = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_DEEPSPEED",
                         "ACCELERATE_USE_MEGATRON_LM")
 
@@ -83,11 +83,13 @@ def _mixed_precision_name(policy) -> Optional[str]:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", "bf16": "bf16", "fp16": "fp16"}.get(dtype)
 
 
-def fsdp_config_from_plugin(plugin) -> FSDPConfig:
-    """Map an accelerate `FullyShardedDataParallelPlugin` onto hyperacc's FSDPConfig.
+def fsdp_config_from_plugin(plugin, mixed_precision=None) -> FSDPConfig:
+    """Map an accelerate `FullyShardedDataParallelPlugin` (or None) and accelerate's `mixed_precision=`
+    argument onto hyperacc's FSDPConfig.
 
-    Only the fields FSDP2 has a meaning for are read; every one of them counts as explicit (so it
-    beats the launch environment, as the plugin does in accelerate).
+    Only the fields FSDP2 has a meaning for are read; each one the plugin sets is an explicit value
+    (it beats the launch environment, as the plugin does in accelerate). The plugin's own precision
+    policy beats the argument; the argument beats ACCELERATE_MIXED_PRECISION.
     """
     if getattr(plugin, "fsdp_version", 2) == 1:
         warnings.warn("fsdp_plugin has fsdp_version=1: hyperacc always shards with FSDP2 (fully_shard); "
@@ -104,10 +106,21 @@ def fsdp_config_from_plugin(plugin) -> FSDPConfig:
     names = getattr(plugin, "transformer_cls_names_to_wrap", None)
     if names:
         fields["wrap_classes"] = list(names) if not isinstance(names, str) else [names]
-    precision = _mixed_precision_name(getattr(plugin, "mixed_precision_policy", None))
+    precision = _mixed_precision_name(getattr(plugin, "mixed_precision_policy", None)) or \
+        _precision_argument(mixed_precision)
     if precision is not None:
         fields["mixed_precision"] = precision
     return FSDPConfig(**fields)
+
+
+def _precision_argument(mixed_precision) -> Optional[str]:
+    """accelerate's `mixed_precision=` ("no"/"bf16"/"fp16", a string or its enum) as an FSDPConfig value."""
+    if mixed_precision is None:
+        return None
+    name = str(getattr(mixed_precision, "value", mixed_precision)).lower()
+    if name == "fp8":
+        raise NotImplementedError("mixed_precision='fp8' is not supported by hyperacc; use 'bf16'.")
+    return name
 
 
 def parallel_config_from_accelerate(config) -> ParallelConfig:
@@ -118,19 +131,6 @@ def parallel_config_from_accelerate(config) -> ParallelConfig:
     fields = {name: getattr(config, name) for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
               if getattr(config, name, None) is not None}
     return ParallelConfig(**fields)
-
-
-def with_mixed_precision(fsdp: FSDPConfig, mixed_precision: Optional[str]) -> FSDPConfig:
-    """accelerate's `mixed_precision=` argument becomes FSDP2's param dtype unless set there already."""
-    if mixed_precision is None or "mixed_precision" in getattr(fsdp, "_explicit", ()):
-        return fsdp
-    name = str(getattr(mixed_precision, "value", mixed_precision)).lower()
-    if name == "fp8":
-        raise NotImplementedError("mixed_precision='fp8' is not supported by hyperacc; use 'bf16'.")
-    fsdp.mixed_precision = None if name == "no" else name
-    fsdp._explicit = set(getattr(fsdp, "_explicit", ())) | {"mixed_precision"}
-    fsdp.__post_init__()
-    return fsdp
 
 
 def warn_dynamo(dynamo_backend=None, dynamo_plugin=None) -> None:
@@ -147,24 +147,27 @@ def warn_split_batches(split_batches) -> None:
                       "dataloader_config=DataLoaderConfiguration(split_batches=...) instead.")
 
 
-def _configured(config, cls):
-    """An explicit config (copied, so the caller's object is untouched) filled from the environment."""
+def _checked(config, cls):
+    """The caller's config (copied, so it stays untouched), or a fresh one from the environment."""
     if config is None:
-        config = cls()
-    elif not isinstance(config, cls):
+        return cls()
+    if not isinstance(config, cls):
         raise TypeError(f"expected a {cls.__name__}, got {type(config).__name__}")
-    return from_environment(copy.copy(config))
+    return copy.copy(config)
 
 
 def resolve_configs(*, parallel, fsdp, checkpoint, parallelism_config, fsdp_plugin, mixed_precision):
-    """hyperacc's three configs: its own arguments, else accelerate's, then the launch environment."""
+    """hyperacc's three configs: its own arguments win, else accelerate's; every field they leave
+    unset comes from the launch environment, else the default (`hyperacc.config.resolve`).
+    A given FSDPConfig is complete, so `mixed_precision=` applies only without one."""
     if parallel is None and parallelism_config is not None:
         parallel = parallel_config_from_accelerate(parallelism_config)
-    if fsdp is None and fsdp_plugin is not None:
-        fsdp = fsdp_config_from_plugin(fsdp_plugin)
-    return (_configured(parallel, ParallelConfig),
-            with_mixed_precision(_configured(fsdp, FSDPConfig), mixed_precision),
-            _configured(checkpoint, CheckpointConfig))
+    if fsdp is None:
+        fsdp = fsdp_config_from_plugin(fsdp_plugin, mixed_precision)
+    else:
+        _precision_argument(mixed_precision)      # fp8 is refused either way
+    return (_checked(parallel, ParallelConfig), _checked(fsdp, FSDPConfig),
+            _checked(checkpoint, CheckpointConfig))
 
 
 def checkpoint_env_given() -> bool:

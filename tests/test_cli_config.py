@@ -5,9 +5,10 @@ from typing import List, Literal, Optional
 import pytest
 import torch
 
-from hyperacc.cli_config import (Component, ConfigError, TrainConfig, build_config, config_help,
-                                 dump_config, format_config, load_config, parse_config, save_config)
-from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig, explicit_fields
+from examples.config_schema import TrainConfig
+from hyperacc.cli_config import (Component, ConfigError, build_config, config_help, dump_config, format_config,
+                                 load_config, parse_config, save_config)
+from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
 
 
 def write(tmp_path, text, name="cfg.yaml"):
@@ -47,7 +48,6 @@ def test_defaults_without_yaml_or_args():
     cfg = parse_config(TrainConfig, argv=[])
     assert cfg == TrainConfig()
     assert cfg.training.mode == "production" and cfg.optimizer.target == "torch.optim.AdamW"
-    assert explicit_fields(cfg.fsdp) == set() and explicit_fields(cfg.parallel) == set()
 
 
 def test_yaml_load_and_cli_overrides_of_every_type(tmp_path):
@@ -76,7 +76,7 @@ def test_component_bool_flag_and_negative_value():
     cfg = parse_config(TrainConfig, argv=["--optimizer.amsgrad", "--parallel.dp_shard_size", "-1",
                                           "--optimizer.betas=[0.8,0.9]"])
     assert cfg.optimizer.amsgrad is True and cfg.optimizer.betas == (0.8, 0.9)
-    assert cfg.parallel.dp_shard_size == -1 and explicit_fields(cfg.parallel) == {"dp_shard_size"}
+    assert cfg.parallel.dp_shard_size == -1
 
 
 def test_fixed_train_flags():
@@ -161,17 +161,25 @@ def test_component_build_runtime_kwargs_win():
     assert default_adamw.defaults["lr"] == 0.01 and default_adamw.defaults["betas"] == (0.9, 0.95)
 
 
-def test_explicit_fields_tracked_from_yaml_and_cli(tmp_path):
-    path = write(tmp_path, "fsdp:\n  reshard_after_forward: false\nparallel:\n  tp_size: 1\n")
-    cfg = parse_config(TrainConfig, path, argv=["--fsdp.mixed_precision=bf16",
-                                                "--checkpoint.save_steps=5"])
+def test_layers_default_env_yaml_cli(tmp_path, monkeypatch):
+    """defaults <- launch environment <- YAML <- CLI, field by field, even for values equal to a default."""
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    monkeypatch.setenv("HYPERACC_CHECKPOINT_SAVE_STEPS", "7")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    path = write(tmp_path, "fsdp:\n  reshard_after_forward: true\nparallel:\n  tp_size: 1\n")
+    cfg = parse_config(TrainConfig, path, argv=["--fsdp.mixed_precision=no", "--checkpoint.save_steps=0"])
     assert type(cfg.fsdp) is FSDPConfig and type(cfg.parallel) is ParallelConfig
     assert type(cfg.checkpoint) is CheckpointConfig
-    assert explicit_fields(cfg.fsdp) == {"reshard_after_forward", "mixed_precision"}
-    assert explicit_fields(cfg.parallel) == {"tp_size"}
-    assert explicit_fields(cfg.checkpoint) == {"save_steps"}
-    assert dump_config(cfg, explicit_only=True)["fsdp"] == {"reshard_after_forward": False,
-                                                            "mixed_precision": "bf16"}
+    assert cfg.fsdp.reshard_after_forward is True            # YAML beats the environment
+    assert cfg.fsdp.activation_checkpointing is True         # the environment beats the default
+    assert cfg.fsdp.mixed_precision is None                  # CLI "no" beats ACCELERATE_MIXED_PRECISION
+    assert cfg.parallel.tp_size == 1 and cfg.checkpoint.save_steps == 0
+    assert parse_config(TrainConfig, argv=[]).checkpoint.save_steps == 7
+    # explicit constructor arguments beat the environment the same way
+    assert FSDPConfig(reshard_after_forward=True).reshard_after_forward is True
+    assert FSDPConfig().reshard_after_forward is False and FSDPConfig().mixed_precision == "bf16"
 
 
 def test_save_load_round_trip(tmp_path):
@@ -200,7 +208,7 @@ def test_build_config_from_dict_and_help():
         parse_config(TrainConfig, argv=["--help"])
 
 
-def test_lr_factor_shapes():
+def test_lr_factor_shapes():  # the example's schedule (examples/config_schema.py)
     sched = TrainConfig().lr_scheduler
     sched.warmup_steps = 2
     assert sched.lr_factor(0, 10) == pytest.approx(0.5)

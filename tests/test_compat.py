@@ -14,7 +14,10 @@ from dist_utils import REPO, _env, run_torchrun
 from hyperacc import compat
 
 
-def test_fsdp_plugin_maps_to_fsdp_config():
+def test_fsdp_plugin_maps_to_fsdp_config(monkeypatch):
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "true")       # the plugin's values beat the launch
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "false")
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "false")
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, reshard_after_forward=False, activation_checkpointing=True,
         transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
@@ -22,7 +25,6 @@ def test_fsdp_plugin_maps_to_fsdp_config():
     config = compat.fsdp_config_from_plugin(plugin)
     assert (config.reshard_after_forward, config.activation_checkpointing, config.wrap_classes,
             config.mixed_precision) == (False, True, ["LlamaDecoderLayer"], "bf16")
-    assert {"reshard_after_forward", "activation_checkpointing", "wrap_classes", "mixed_precision"} <= config._explicit
 
 
 def test_parallelism_config_maps_to_parallel_config():
@@ -30,13 +32,18 @@ def test_parallelism_config_maps_to_parallel_config():
     assert (config.dp_replicate_size, config.dp_shard_size, config.tp_size, config.cp_size) == (2, 4, 1, 1)
 
 
-def test_mixed_precision_argument_sets_fsdp_policy_unless_explicit():
+def test_mixed_precision_argument_sets_fsdp_policy_unless_explicit(monkeypatch):
     from hyperacc import FSDPConfig
-    assert compat.with_mixed_precision(FSDPConfig(), "bf16").mixed_precision == "bf16"
-    assert compat.with_mixed_precision(FSDPConfig(), "no").mixed_precision is None
-    assert compat.with_mixed_precision(FSDPConfig(mixed_precision="fp16"), "bf16").mixed_precision == "fp16"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    resolve = lambda fsdp, mp: compat.resolve_configs(  # noqa: E731
+        parallel=None, fsdp=fsdp, checkpoint=None, parallelism_config=None, fsdp_plugin=None, mixed_precision=mp)[1]
+    assert resolve(None, None).mixed_precision == "fp16"              # the launch environment
+    assert resolve(None, "bf16").mixed_precision == "bf16"            # the argument beats it
+    assert resolve(None, "no").mixed_precision is None
+    assert resolve(FSDPConfig(mixed_precision="no"), "bf16").mixed_precision is None   # FSDPConfig beats both
+    assert resolve(FSDPConfig(reshard_after_forward=False), "bf16").mixed_precision == "fp16"  # complete: env
     with pytest.raises(NotImplementedError, match="fp8"):
-        compat.with_mixed_precision(FSDPConfig(), "fp8")
+        resolve(FSDPConfig(), "fp8")
 
 
 @pytest.mark.parametrize("kwargs, name", [

@@ -203,7 +203,60 @@ def test_cp_still_refused():
         check_supported(ParallelConfig(cp_size=2).resolved(4))
 
 
-def test_ep_size_from_environment():
-    from hyperacc.config import from_environment
-    config = from_environment(ParallelConfig(), {"HYPERACC_PARALLEL_EP_SIZE": "4"})
+def test_ep_size_from_environment(monkeypatch):
+    monkeypatch.setenv("HYPERACC_PARALLEL_EP_SIZE", "4")
+    config = ParallelConfig()
     assert config.ep_size == 4 and config.resolved(8).efsdp_size == 2
+    assert ParallelConfig(ep_size=2).ep_size == 2        # an explicit value beats the environment
+
+
+# ----------------------------------------------------------------------- D1: dp_shard 2 x tp 2, SIGKILL, resume
+CKPT_SCRIPT = REPO / "tests" / "scripts" / "ckpt_train.py"
+
+
+def _ckpt_launch(nproc, out, *args, wait=True):
+    """torchrun of ckpt_train.py in a session of its own; returns the Popen (waited for when ``wait``)."""
+    import subprocess
+    import sys
+
+    from dist_utils import _env, free_port
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           "--master_addr=127.0.0.1", str(CKPT_SCRIPT), str(out), *map(str, args)]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    if wait:
+        output = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, output[-6000:]
+    return proc
+
+
+def test_d1_dp2_tp2_sigkill_of_the_job_then_resume_is_bitwise(tmp_path):
+    """Save at step 4, train step 5, SIGKILL every process of the job (launcher and workers), relaunch
+    with restore_from=LATEST: steps 5..8 and the final parameters equal an uninterrupted run bitwise."""
+    import os
+    import signal
+    import time
+
+    common = ["--tp", 2, "--steps", 8, "--save-steps", 4]
+    _ckpt_launch(4, tmp_path / "a", "--ckpt", tmp_path / "A", *common, "--dump-params", tmp_path / "a.pt")
+    killed = _ckpt_launch(4, tmp_path / "b", "--ckpt", tmp_path / "B", *common, "--hold-after", 5, wait=False)
+    pids = [tmp_path / f"b.pid{rank}" for rank in range(4)]
+    deadline = time.time() + 240
+    while not all(p.exists() for p in pids) and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    assert all(p.exists() for p in pids), killed.communicate(timeout=30)[0][-6000:]
+    for pid in [killed.pid, *(int(p.read_text()) for p in pids)]:
+        os.kill(pid, signal.SIGKILL)
+    killed.wait(timeout=30)
+    assert (tmp_path / "B" / "latest_checkpoint_iteration.txt").read_text().strip() == "4"
+    _ckpt_launch(4, tmp_path / "c", "--ckpt", tmp_path / "B", *common, "--restore", "LATEST",
+                 "--dump-params", tmp_path / "c.pt")
+    for rank in range(4):
+        a = json.load(open(f"{tmp_path / 'a'}.rank{rank}.json"))
+        c = json.load(open(f"{tmp_path / 'c'}.rank{rank}.json"))
+        assert c["start_step"] == 4 and sorted(c["steps"]) == ["5", "6", "7", "8"]
+        for step, rec in c["steps"].items():
+            assert rec == a["steps"][step], step        # loss, lr, epoch, RNG draws: bitwise
+        assert c["progress"] == a["progress"]
+    pa, pc = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "c.pt")
+    assert pa.keys() == pc.keys() and all(torch.equal(pa[k], pc[k]) for k in pa)

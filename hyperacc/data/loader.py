@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from hyperacc.data.collate import check_batch, default_collate
 
-__all__ = ["MicroBatchDataLoader", "STATE_VERSION"]
+__all__ = ["MicroBatchDataLoader", "STATE_VERSION", "micro_batches_per_step"]
 
 STATE_VERSION = 1
 _PREFETCH_DEPTH = 2
@@ -50,6 +50,21 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
+
+
+def micro_batches_per_step(global_batch_size: int, micro_batch_size: int, dp_size: int = 1) -> int:
+    """Micro-batches each DP rank runs per optimizer step: the one place the divisibility rule lives
+    (the loader, the example's config checks and its dry run all ask here)."""
+    g, m, unit = global_batch_size, micro_batch_size, micro_batch_size * dp_size
+    if g % unit:
+        lower, upper = (g // unit) * unit, (g // unit + 1) * unit
+        options = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ValueError(
+            f"global_batch_size={g} is not divisible by micro_batch_size={m} * dp_size={dp_size} "
+            f"(= {unit}): every DP rank must get the same whole number of micro-batches per step. "
+            f"Fix: set global_batch_size to a multiple of {unit} (e.g. {options}), or pick a "
+            f"micro_batch_size that divides global_batch_size / dp_size")
+    return g // unit
 
 
 class MicroBatchDataLoader:
@@ -123,16 +138,7 @@ class MicroBatchDataLoader:
             raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be an int in [0, {dp_size}), got {dp_rank!r}")
-        g, m = self._global_batch_size, self._micro_batch_size
-        unit = m * dp_size
-        if g % unit:
-            lower, upper = (g // unit) * unit, (g // unit + 1) * unit
-            options = f"{lower} or {upper}" if lower else f"{upper}"
-            raise ValueError(
-                f"global_batch_size={g} is not divisible by micro_batch_size={m} * dp_size={dp_size} "
-                f"(= {unit}): every DP rank must get the same whole number of micro-batches per step. "
-                f"Fix: set global_batch_size to a multiple of {unit} (e.g. {options}), or pick a "
-                f"micro_batch_size that divides global_batch_size / dp_size")
+        micro_batches_per_step(self._global_batch_size, self._micro_batch_size, dp_size)
         self._dp_rank, self._dp_size = dp_rank, dp_size
         self._generation += 1
         return self

@@ -1,0 +1,196 @@
+"""The configuration schema of examples/train_qwen.py: one dataclass per section, and the LR schedule.
+
+It lives with the example, not in the library: a training script owns its schema. hyperacc's own
+sections (``parallel``, ``fsdp``, ``checkpoint``) are its configuration dataclasses, whose unset
+fields come from the ``accelerate launch`` environment (see ``hyperacc.config``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, Literal, Optional
+
+from hyperacc.cli_config import Component, ConfigError
+from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
+from hyperacc.data.loader import micro_batches_per_step
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Which model to train. ``name_or_path``: a pretrained directory or hub id (its weights are
+    loaded); None builds ``preset`` from scratch. ``overrides``: transformers config fields
+    (e.g. ``{hidden_size: 256, num_hidden_layers: 4}``) applied to the preset or pretrained config."""
+
+    name_or_path: Optional[str] = None
+    preset: str = "tiny"
+    overrides: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: Optional[str] = None
+    # MoE models only: the experts kernel ("grouped_mm", "eager" = per-expert loop, "batched_mm";
+    # None = transformers' default) and the router's load-balancing loss (coefficient from the config).
+    experts_implementation: Optional[str] = "grouped_mm"
+    router_aux_loss: bool = True
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Training data. ``dataset`` None = the embedded offline corpus; otherwise a hub id, a local
+    dataset/file path (the training script decides how to read it). ``tokenizer`` None = the
+    model's tokenizer when ``model.name_or_path`` is set, else the embedded offline tokenizer."""
+
+    dataset: Optional[str] = None
+    name: Optional[str] = None
+    split: str = "train"
+    text_column: str = "text"
+    tokenizer: Optional[str] = None
+    seq_len: int = 128
+    num_proc: int = 1
+    shuffle: bool = True
+    eval_split: Optional[str] = None
+
+    def validate(self):
+        if self.seq_len < 1:
+            raise ConfigError(f"data.seq_len={self.seq_len} must be >= 1. Fix: --data.seq_len=128")
+        if self.num_proc < 1:
+            raise ConfigError(f"data.num_proc={self.num_proc} must be >= 1. Fix: --data.num_proc=1")
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    """The loop. Batch sizes are in samples (sequences of ``data.seq_len`` tokens);
+    ``global_batch_size`` is per optimizer step over all data-parallel ranks and must be a
+    multiple of ``micro_batch_size`` (and, at prepare time, of ``micro_batch_size * dp_size``).
+    ``epochs``: at most this many passes over the data (training stops at ``max_steps`` or at
+    the end of the last epoch, whichever comes first). ``gc_steps``/``empty_cache_steps``: run
+    ``gc.collect()`` / empty the device cache every N steps (0 = never).
+    ``mode``: ``validate`` = deterministic checks for correctness runs, ``production`` = speed.
+    ``dry_run``: parse, build on the meta device and check the plan, then exit without training;
+    ``dry_run_world_size`` plans for that many processes instead of the launched ones."""
+
+    max_steps: int = 20
+    global_batch_size: int = 8
+    micro_batch_size: int = 2
+    seed: int = 42
+    mode: Literal["validate", "production"] = "production"
+    dry_run: bool = False
+    dry_run_world_size: Optional[int] = None
+    gradient_clipping: Optional[float] = 1.0
+    epochs: int = 1
+    gc_steps: int = 0
+    empty_cache_steps: int = 0
+
+    def validate(self):
+        for name in ("max_steps", "global_batch_size", "micro_batch_size", "epochs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"training.{name}={getattr(self, name)} must be >= 1. "
+                                  f"Fix: --training.{name}=<positive integer>")
+        for name in ("gc_steps", "empty_cache_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"training.{name}={getattr(self, name)} must be >= 0 (0 = never).")
+        check_batch(self)
+        if self.dry_run_world_size is not None and self.dry_run_world_size < 1:
+            raise ConfigError(f"training.dry_run_world_size={self.dry_run_world_size} must be >= 1.")
+        if self.gradient_clipping is not None and self.gradient_clipping < 0:
+            raise ConfigError(f"training.gradient_clipping={self.gradient_clipping} must be >= 0 "
+                              "(0 or null disables clipping).")
+
+
+def check_batch(training: "TrainingConfig", dp_size: int = 1) -> int:
+    """Micro-batches per rank per step, or the ConfigError naming the flags (rule: micro_batches_per_step)."""
+    try:
+        return micro_batches_per_step(training.global_batch_size, training.micro_batch_size, dp_size)
+    except ValueError as err:
+        raise ConfigError(f"training.{err} (training.* flags; {dp_size} data-parallel rank(s)).") from None
+
+
+def default_optimizer() -> Component:
+    """AdamW with LLM pre-training defaults."""
+    return Component("torch.optim.AdamW", {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8,
+                                           "weight_decay": 0.1})
+
+
+@dataclasses.dataclass
+class LRSchedulerConfig:
+    """Linear warm-up for ``warmup_steps``, then ``decay`` from the optimizer's lr down to
+    ``min_lr_ratio * lr`` at ``total_steps`` (None: ``training.max_steps``).
+
+    A separate ``total_steps`` lets a job stop early (``training.max_steps`` smaller) and resume
+    later on the very same schedule.
+    """
+
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    total_steps: Optional[int] = None
+
+    def validate(self):
+        if self.warmup_steps < 0:
+            raise ConfigError(f"lr_scheduler.warmup_steps={self.warmup_steps} must be >= 0.")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ConfigError(f"lr_scheduler.total_steps={self.total_steps} must be >= 1 (or null: "
+                              "training.max_steps).")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"lr_scheduler.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]. "
+                              "Fix: --lr_scheduler.min_lr_ratio=0.1")
+
+    def lr_factor(self, step: int, max_steps: int) -> float:
+        """Multiplier of the base lr after ``step`` scheduler steps (usable with LambdaLR)."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.decay == "constant":
+            return 1.0
+        span = max(1, max_steps - self.warmup_steps)
+        progress = min(1.0, max(0.0, (step - self.warmup_steps) / span))
+        if self.decay == "linear":
+            shape = 1.0 - progress
+        else:
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    """Where step metrics go (see ``hyperacc.metrics.MetricsLogger``)."""
+
+    metrics_file: Optional[str] = None
+    logging_steps: int = 1
+    tensorboard_dir: Optional[str] = None
+    progress_bar: bool = True
+
+    def validate(self):
+        if self.logging_steps < 1:
+            raise ConfigError(f"logging.logging_steps={self.logging_steps} must be >= 1. "
+                              "Fix: --logging.logging_steps=1")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Evaluation every ``eval_steps`` optimizer steps (0 = never) on ``eval_batches`` batches of
+    ``eval_batch_size`` samples per rank (None = ``training.micro_batch_size``)."""
+
+    eval_steps: int = 0
+    eval_batches: int = 4
+    eval_batch_size: Optional[int] = None
+
+    def validate(self):
+        if self.eval_steps < 0:
+            raise ConfigError(f"eval.eval_steps={self.eval_steps} must be >= 0 (0 = never).")
+        if self.eval_batches < 1:
+            raise ConfigError(f"eval.eval_batches={self.eval_batches} must be >= 1.")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise ConfigError(f"eval.eval_batch_size={self.eval_batch_size} must be >= 1.")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The configuration of the training example: one section per concern."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    optimizer: Component = dataclasses.field(default_factory=default_optimizer)
+    lr_scheduler: LRSchedulerConfig = dataclasses.field(default_factory=LRSchedulerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    fsdp: FSDPConfig = dataclasses.field(default_factory=FSDPConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
