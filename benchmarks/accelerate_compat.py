@@ -134,7 +134,8 @@ def _run_until_result(cmd, env, grace_s: float = 45.0):
     with tempfile.TemporaryDirectory() as tmp:
         out_path, err_path = Path(tmp) / "out", Path(tmp) / "err"
         with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
-            proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=out_f, stderr=err_f)
+            # An empty working directory: whatever a run writes without being asked stays out of the repo.
+            proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=out_f, stderr=err_f)
             seen, hung = None, False
             while proc.poll() is None:
                 time.sleep(0.5)

@@ -70,12 +70,12 @@ EXIT_GRACE_S = 45
 class Launch:
     """A finished (or killed) command: returncode, stdout, stderr, hung_at_exit."""
 
-    def __init__(self, cmd, env, log_dir: Path, timeout: int):
+    def __init__(self, cmd, env, log_dir: Path, timeout: int, cwd: Path):
         import psutil
 
         out_path, err_path = log_dir / "stdout.txt", log_dir / "stderr.txt"
         with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
-            proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=out_f, stderr=err_f, text=True)
+            proc = subprocess.Popen(cmd, env=env, cwd=str(cwd), stdout=out_f, stderr=err_f, text=True)
             start, done_at, self.hung_at_exit, self.timed_out = time.monotonic(), None, False, False
             while proc.poll() is None:
                 time.sleep(0.5)
@@ -119,6 +119,12 @@ class Run:
         assert self.of("done"), f"{self.command} exited 0 without reaching its end{tails}"
         return self
 
+    def assert_wrote_nothing_else(self):
+        """Each run starts in an empty working directory; the scripts write only under --output_dir."""
+        stray = sorted(os.listdir(self.out / "cwd"))
+        assert not stray, (f"{self.command} wrote into its working directory without being asked to: {stray} "
+                           f"(end_training and the rest should write nothing unless configured to)")
+
     def of(self, kind):
         return [m for m in self.metrics if m.get("kind") == kind]
 
@@ -150,7 +156,9 @@ def run_script(name, impl, nproc, base: Path, extra=(), tag="", args=None):
                "--main_process_port", str(free_port()), str(script), *script_args]
         command = (f"ACCEL_IMPL={impl}{' ACCELERATE_USE_CPU=true' if impl == 'accelerate' else ''} accelerate launch "
                    f"--config_file {FSDP2_CONFIG.relative_to(REPO)} {script.relative_to(REPO)} {' '.join(script_args)}")
-    run = Run(Launch(cmd, env, out, timeout=600), out, command, impl)
+    cwd = out / "cwd"
+    cwd.mkdir(exist_ok=True)
+    run = Run(Launch(cmd, env, out, timeout=600, cwd=cwd), out, command, impl)
     _RUNS[key] = run
     return run
 
@@ -271,6 +279,8 @@ def test_one_process_matches_accelerate(name, runs_dir):
         _assert_weights_close(_weights(ref.out), _weights(got.out), rtol=1e-5, atol=1e-6, what="save_pretrained")
         assert json.loads((got.out / "all_results.json").read_text())["perplexity"] == pytest.approx(
             json.loads((ref.out / "all_results.json").read_text())["perplexity"], rel=REL)
+    ref.assert_wrote_nothing_else()
+    got.assert_wrote_nothing_else()
 
 
 def test_one_process_resume_mid_epoch_continues_exactly(runs_dir):
@@ -333,6 +343,7 @@ def _two_process_compare(name, runs_dir):
         assert g["num_samples"] == r["num_samples"]
     if name == "early_stopping":
         assert got.of("early_stop") == ref.of("early_stop")
+    got.assert_wrote_nothing_else()
     return ref, got
 
 
@@ -399,6 +410,7 @@ def test_save_model_loads_with_from_pretrained_two_processes(dist_checks):
     _assert_weights_close(_weights(ref.out / "saved"), loaded, rtol=1e-4, atol=1e-6,
                           what="hyperacc FSDP2 vs accelerate DDP")
     assert_same_losses(ref, got, rel=1e-4)
+    got.assert_wrote_nothing_else()
 
 
 # ------------------------------------------------------------------------------------ member coverage
