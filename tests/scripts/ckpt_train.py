@@ -4,12 +4,15 @@ Writes OUT.rank<R>.json per rank (per-step loss, lr and one random draw per gene
 step, the saves made) and, with --dump-params, the final full parameters (rank 0, torch.save).
 --kill-during-save K: SIGKILL rank 0 while it finishes the save of step K (data files written,
 .metadata not yet), i.e. a crash in the middle of a save.
+--tp N: dp_shard x tp N layout (tensor parallelism, meta-device init). --hold-after K: after step K
+every rank writes OUT.pid<R> and sleeps, for the test to SIGKILL the whole job.
 """
 import argparse
 import json
 import os
 import random
 import signal
+import time
 
 import numpy as np
 import torch
@@ -46,6 +49,8 @@ def main():
     p.add_argument("--export", default="none")
     p.add_argument("--kill-during-save", type=int, default=0)
     p.add_argument("--dump-params", default=None)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--hold-after", type=int, default=0)
     args = p.parse_args()
 
     if args.kill_during_save:
@@ -62,8 +67,8 @@ def main():
         save_ckpt=not args.no_save, checkpoint_dir=args.ckpt, save_steps=args.save_steps,
         save_epochs=args.save_epochs, is_async=args.async_save, restore_from=args.restore,
         save_consolidated=args.export, save_extra_state_per_rank=not args.embedded)
-    acc = hyperacc.Accelerator(checkpoint=config, seed=7)
-    model = build_causal_lm(qwen3_moe_config(), seed=7)
+    acc = hyperacc.Accelerator(checkpoint=config, seed=7, parallel=hyperacc.ParallelConfig(tp_size=args.tp))
+    model = build_causal_lm(qwen3_moe_config(), seed=7, meta_device=args.tp > 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     loader = hyperacc.MicroBatchDataLoader(Tokens(24), global_batch_size=4, micro_batch_size=1,
@@ -87,6 +92,10 @@ def main():
             saved = acc.step_end()
             if saved:
                 record["saves"].append(step)
+            if args.hold_after and step == args.hold_after:
+                with open(f"{args.out}.pid{acc.process_index}", "w") as handle:
+                    handle.write(str(os.getpid()))
+                time.sleep(600)
             if step == args.steps:
                 break
     record["progress"] = acc.progress.state_dict()
