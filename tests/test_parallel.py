@@ -260,3 +260,39 @@ def test_d1_dp2_tp2_sigkill_of_the_job_then_resume_is_bitwise(tmp_path):
         assert c["progress"] == a["progress"]
     pa, pc = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "c.pt")
     assert pa.keys() == pc.keys() and all(torch.equal(pa[k], pc[k]) for k in pa)
+
+
+# ----------------------------------------------------------------------- bad input on real processes
+ERRORS_SCRIPT = REPO / "tests" / "scripts" / "parallel_errors.py"
+
+
+def per_rank_case_lines(tmp_path, nproc, cases):
+    """Launch parallel_errors.py once for ``cases``; {rank: {case: its one error line}} from each rank's
+    own stderr file (torchrun --redirects)."""
+    import subprocess
+    import sys
+
+    from dist_utils import _env, free_port
+    logs = tmp_path / "rank_logs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           "--master_addr=127.0.0.1", f"--log-dir={logs}", "--redirects=3", str(ERRORS_SCRIPT), *cases]
+    proc = subprocess.run(cmd, env=_env(), cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = {}
+    for rank in range(nproc):
+        text = sorted(logs.rglob(f"{rank}/stderr.log"))[-1].read_text()
+        found = [line for line in text.splitlines() if line.startswith("case ")]
+        assert len(found) == len(cases), text[-4000:]
+        lines[rank] = {line.split(":")[0][5:]: line.split(": ", 1)[1] for line in found}
+    return lines
+
+
+def test_bad_parallel_inputs_one_line_on_every_rank(tmp_path):
+    lines = per_rank_case_lines(tmp_path, 2, ["ep_ranks", "ep_experts", "tp_heads", "dense_ep"])
+    assert lines[0] == lines[1]                 # rank 1 says the same, no rank hung in a collective
+    expected = {"ep_ranks": "ep_size=3 does not divide dp_shard*cp*tp = 2*1*1",
+                "ep_experts": "ep_size=2 does not divide the 3 experts",
+                "tp_heads": "tp_size=2 does not divide Qwen3MoeForCausalLM's num_attention_heads=3",
+                "dense_ep": "is a dense model"}
+    for case, needle in expected.items():
+        assert lines[1][case].startswith("ValueError: ") and needle in lines[1][case], lines[1][case]
