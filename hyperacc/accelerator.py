@@ -22,15 +22,13 @@ import numpy as np
 import torch
 from accelerate.scheduler import AcceleratedScheduler
 
-from hyperacc import compat, parallel
+from hyperacc import compat, parallel, weights
 from hyperacc import runtime as runtime_lib
 from hyperacc.accumulation import GradientAccumulator
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
 from hyperacc.mesh import build_mesh
 from hyperacc.progress import Progress
 from hyperacc.sharding import broadcast_from_rank0, rank0_only_weights_expected, shard_model
-from hyperacc.weights.load import fill_shards
-from hyperacc.weights.load import source_of as weights_source
 from hyperacc.wrappers import ParameterMap, PreparedScheduler, rebind_optimizer
 
 DEFAULT_SEED = 42
@@ -163,10 +161,9 @@ class Accelerator(accelerate.Accelerator):
         if self.num_processes > 1 and rank0_only_weights_expected():
             broadcast_from_rank0(model, self.device)
         originals = dict(model.named_parameters())
-        pretrained = weights_source(model)     # load_pretrained(..., accelerator=): files fill the shards
+        pretrained = weights.source_of(model)     # load_pretrained(..., accelerator=): files fill the shards
         shard_model(model, self._mesh, self.fsdp_config, self.device, self.seed, initialize=pretrained is None)
-        if pretrained is not None:
-            fill_shards(model, pretrained)
+        weights.fill_shards(model, pretrained)      # each rank reads its own slices; no-op without files
         self._params.record(model, originals)
         self._models.append(model)
         return model
@@ -232,7 +229,7 @@ class Accelerator(accelerate.Accelerator):
             else:
                 raise TypeError("accumulate() takes models and at most one batch (a list of micro-batches).")
         if batch is not None:
-            return self.accumulator.step(models, batch)
+            return self.accumulator.step(models, batch, step=self.progress.global_step + 1)
         return super().accumulate(*models)
 
     def backward(self, loss: torch.Tensor, aux_loss=None, **kwargs) -> None:
@@ -297,19 +294,8 @@ class Accelerator(accelerate.Accelerator):
         return super().free_memory(*objects)
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
-        """accelerate's signature, but every rank writes its share of the safetensors files in
-        parallel (accelerate gathers the whole model on rank 0); ``save_directory`` may hold other
-        files (a tokenizer) but no weights. See `hyperacc.weights.export`."""
-        from accelerate.utils import convert_file_size_to_int
-
-        from hyperacc.weights.export import export_sharded
-
-        if not safe_serialization:
-            raise ValueError("save_model(safe_serialization=False): hyperacc writes safetensors only; "
-                             "drop the argument.")
-        _reshard(model)
-        export_sharded(model, save_directory, max_shard_bytes=convert_file_size_to_int(max_shard_size),
-                       group=self.runtime.cpu_group, into_existing=True)
+        """accelerate's signature; every rank writes its share of the files (`hyperacc.weights.export`)."""
+        weights.save_model_sharded(model, save_directory, max_shard_size, safe_serialization, group=self.runtime.cpu_group)
 
     def get_state_dict(self, model, unwrap: bool = True):
         """accelerate's (full weights gathered to every rank's host memory), after resharding: a

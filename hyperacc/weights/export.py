@@ -72,6 +72,11 @@ def export_sharded(model: nn.Module, out_dir: str, *, max_shard_bytes: int = DEF
     """Collective: every rank calls it; the files appear in ``out_dir`` all at once. Refuses an
     ``out_dir`` that holds files (``into_existing=True``: one that holds no weights, e.g. a
     tokenizer; the weights are moved in, index last). Returns ``out_dir``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():      # an eval forward leaves units unsharded: read the shards
+        if isinstance(module, FSDPModule):
+            module.reshard()
     out_dir = os.path.abspath(out_dir)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -98,6 +103,19 @@ def export_sharded(model: nn.Module, out_dir: str, *, max_shard_bytes: int = DEF
     dtype = tensors[0][1].dtype if tensors else None
     gen = getattr(model, "generation_config", None) if getattr(model, "can_generate", lambda: False)() else None
     return _agree(lambda: _finish(tmp, out_dir, files, hf_config(model, dtype), gen, into_existing), group)
+
+
+def save_model_sharded(model: nn.Module, save_directory: str, max_shard_size="10GB", safe_serialization: bool = True,
+                       *, group=None) -> str:
+    """`Accelerator.save_model`: accelerate's arguments, but every rank writes in parallel
+    (accelerate gathers the whole model on rank 0). ``save_directory`` may already hold other
+    files (a tokenizer) but no weights."""
+    from accelerate.utils import convert_file_size_to_int
+
+    if not safe_serialization:
+        raise ValueError("save_model(safe_serialization=False): hyperacc writes safetensors only; drop the argument.")
+    return export_sharded(model, save_directory, max_shard_bytes=convert_file_size_to_int(max_shard_size),
+                          group=group, into_existing=True)
 
 
 # --------------------------------------------------------------------------- directory handling

@@ -95,8 +95,11 @@ def plan(model: nn.Module, files: WeightFiles) -> Dict[str, List[layout.Piece]]:
 def fill_shards(model: nn.Module, source: Optional[WeightsSource] = None) -> dict:
     """Read every rank's own slices of its parameters and persistent buffers from the safetensors
     files (converting dtype on the fly) and initialise non-persistent buffers (rotary tables).
-    Called on every rank after sharding; no collectives. Returns {"seconds", "bytes_read"}."""
+    Called on every rank after sharding; no collectives. Returns {"seconds", "bytes_read"}
+    ({} for a model that waits for no weights)."""
     source = source or source_of(model)
+    if source is None:
+        return {}
     start = time.perf_counter()
     files = WeightFiles(source.directory)
     try:
