@@ -202,7 +202,7 @@ def train(cfg, tokenizer):
 
     import hyperacc
     from hyperacc.metrics import MetricsLogger, PeriodicCleanup, StepTimer
-    from hyperacc.training import StepChecks, check_token_ids, evaluate, lr_lambda_scheduler, param_groups
+    from hyperacc.training import StepChecks, evaluate, lr_lambda_scheduler, param_groups
 
     t = cfg.training
     validate = t.mode == "validate"
@@ -218,7 +218,6 @@ def train(cfg, tokenizer):
     # Data, model, optimizer, schedule.
     train_ds, eval_ds = build_data(cfg, acc, tokenizer)
     model = build_model(cfg, vocab_size=len(tokenizer), accelerator=acc)
-    vocab_size = model.config.vocab_size
     optimizer = cfg.optimizer.build(param_groups(model, cfg.optimizer.get("weight_decay", 0.0)))
     scheduler = lr_lambda_scheduler(optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.max_steps)
     loader = hyperacc.MicroBatchDataLoader(train_ds, global_batch_size=t.global_batch_size,
@@ -241,7 +240,6 @@ def train(cfg, tokenizer):
     timer = StepTimer(acc.runtime.device_type)
     checks = StepChecks(acc, validate=validate)   # non-finite steps stop the job in both modes
     max_norm = t.gradient_clipping or float("inf")
-    share = acc.dp_size / acc.num_processes      # tp/cp peers hold the same tokens: count them once
     eval_bs = cfg.eval.eval_batch_size or t.micro_batch_size
 
     def run_eval(step):
@@ -255,25 +253,22 @@ def train(cfg, tokenizer):
         epoch = loader.epoch
         for batch in loader:
             timer.start()
-            check_token_ids(batch, vocab_size, step + 1, group=acc.runtime.cpu_group)  # host batch, pre-forward
-            with acc.accumulate(model, batch) as micro_batches:
+            with acc.accumulate(model, batch) as micro_batches:   # token ids checked here, on every rank
                 for i, mb in enumerate(micro_batches):
                     outputs = model(**mb)
                     checks.watch_loss(outputs.loss, i)
                     acc.backward(outputs.loss, aux_loss=getattr(outputs, "aux_loss", None))
             grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
-            checks.check(step + 1, acc.step_loss, grad_norm)      # NaN/Inf: stop before the update
+            checks.check(step + 1, lambda: acc.step_loss, grad_norm)      # NaN/Inf: stop before the update
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-            step = acc.progress.global_step
-            metrics.log_step(step=step, epoch=epoch, loss=acc.step_loss, grad_norm=grad_norm, lr=lr,
-                             step_time=timer.stop(), tokens=sum(mb["input_ids"].numel() for mb in batch) * share,
-                             samples=sum(len(mb["input_ids"]) for mb in batch) * share,
-                             consumed_tokens=acc.progress.consumed_tokens,
-                             consumed_samples=acc.progress.consumed_samples,
-                             extra=None if acc.step_aux_loss is None else {"aux_loss": acc.step_aux_loss})
+            step, stats = acc.progress.global_step, acc.accumulator
+            metrics.log_step(step=step, epoch=epoch, loss=lambda: acc.step_loss, grad_norm=grad_norm, lr=lr,
+                             step_time=timer.stop(), tokens=stats.step_tokens, samples=stats.step_samples,
+                             consumed_tokens=acc.progress.consumed_tokens, consumed_samples=acc.progress.consumed_samples,
+                             extra={"aux_loss": lambda: acc.step_aux_loss})
             cleanup.maybe_run(step)
             if eval_ds is not None and step % cfg.eval.eval_steps == 0:
                 run_eval(step)

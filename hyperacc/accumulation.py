@@ -3,8 +3,15 @@
 Step mode (`accumulate(model, batch)` with a list of micro-batches): every micro-batch's mean loss
 is rescaled by (its valid label tokens) / (valid tokens of the whole step over all micro-batches
 and data-parallel ranks), so that the summed gradients equal those of the global token mean, and
-multiplied by the DP size to cancel the average FSDP2 takes when it reduces gradients. The token
-total costs one all-reduce per step.
+multiplied by the DP size to cancel the average FSDP2 takes when it reduces gradients.
+
+Host synchronisation: the step's statistics that the scaling needs (valid label tokens, samples, and
+the token-id range of ``input_ids``) are counted on the loader's host tensors and exchanged with ONE
+all_gather of four integers over the CPU group: no device work, no device sync. The loss is summed
+on the device and reduced across ranks only when ``step_loss`` is read (logging steps). Counters,
+one meaning each: ``step_tokens`` = valid label tokens (labels != -100 after the causal shift) of
+the step over all DP ranks, counted once although tp/cp peers hold them too; ``step_samples`` =
+sequences of the step over all DP ranks.
 
 Accelerate-compatible mode (`accumulate(model)` with `gradient_accumulation_steps=k`) is
 accelerate's own: the Accelerator inherits it (FSDP2's sync flag set through `no_sync`).
@@ -55,6 +62,21 @@ def _set_sync(models, *, reduce_now: bool, all_reduce_now: bool, reshard_now: bo
         model.set_reshard_after_backward(reshard_now)
 
 
+class TokenIdError(ValueError):
+    """A batch holds token ids outside the model's vocabulary (raised on every rank, before the forward)."""
+
+
+def _check_ids(hi: int, lo: int, vocab_size: Optional[int], step: Optional[int]) -> None:
+    where = f"the batch of step {step}" if step is not None else "the batch"
+    if vocab_size is not None and hi >= vocab_size:
+        raise TokenIdError(f"{where} holds token id {hi} but the model's vocab_size is {vocab_size} "
+                           f"(ids must be < {vocab_size}): the data was tokenized with another, larger vocabulary. "
+                           f"Fix: convert the data with the model's tokenizer (data.tokenizer), or set "
+                           f"--model.overrides.vocab_size={hi + 1} or more.")
+    if lo < 0:
+        raise TokenIdError(f"{where} holds a negative token id ({lo}). Fix: check the dataset.")
+
+
 class GradientAccumulator:
     """Owns the per-step accumulation state; the Accelerator forwards `accumulate`/`backward` here."""
 
@@ -67,26 +89,48 @@ class GradientAccumulator:
         self.fsdp = fsdp
         self._on_sync_change = on_sync_change   # mirrors sync_gradients into accelerate's GradientState
         self.in_step = False
-        self.step_tokens = 0            # valid label tokens of the last step, all DP ranks
-        self.step_samples = 0           # samples of the last step, all DP ranks
-        self.step_loss: Optional[float] = None  # global token-mean loss of the last step
-        self.step_aux_loss: Optional[float] = None  # token-weighted MoE router aux loss (when recorded)
-        self._aux_sum = None
+        self.step_tokens = 0            # valid label tokens of the last step, all DP ranks (see module doc)
+        self.step_samples = 0           # sequences of the last step, all DP ranks
+        self._loss_sum = None           # this rank's token-weighted loss sum of the last step (device)
+        self._aux_sum = None            # same for the MoE router aux loss
+        self._aux_seen = False
+        self._reduced = None            # (step_loss, step_aux_loss) once read
         self._micro_tokens = 0
-        self._loss_sum = None
+
+    @property
+    def step_loss(self) -> Optional[float]:
+        """Global token-mean loss of the last step; reading it costs one all-reduce (and a host sync)."""
+        return self._reduce()[0]
+
+    @property
+    def step_aux_loss(self) -> Optional[float]:
+        """Token-weighted MoE router aux loss of the last step (None unless passed to ``backward``)."""
+        return self._reduce()[1]
+
+    def _reduce(self):
+        if self._reduced is None:
+            if self._loss_sum is None:
+                return None, None
+            sums = self._all_reduce(torch.stack([self._loss_sum, self._aux_sum]).cpu())
+            mean = [float(v) / self.step_tokens if self.step_tokens else 0.0 for v in sums]
+            self._reduced = (mean[0], mean[1] if self._aux_seen else None)
+        return self._reduced
 
     # ----------------------------------------------------------------- step mode
     @contextlib.contextmanager
-    def step(self, models, batch) -> Iterator["_MicroBatches"]:
+    def step(self, models, batch, step: Optional[int] = None) -> Iterator["_MicroBatches"]:
         _validate_step_batch(batch)
-        tokens = [count_label_tokens(mb["labels"]) for mb in batch]   # counted once, on the host
-        local = torch.tensor([sum(tokens), sum(int(mb["labels"].shape[0]) for mb in batch)],
-                             dtype=torch.float64)
-        totals = self._all_reduce(local)
-        self.step_tokens, self.step_samples = round(float(totals[0])), round(float(totals[1]))
+        tokens = [count_label_tokens(mb["labels"]) for mb in batch]   # host tensors: no device sync
+        ids = [mb["input_ids"] for mb in batch if torch.is_tensor(mb.get("input_ids")) and mb["input_ids"].numel()]
+        local = [sum(tokens), sum(int(mb["labels"].shape[0]) for mb in batch),
+                 max((int(i.max()) for i in ids), default=-1), -min((int(i.min()) for i in ids), default=0)]
+        total_tokens, samples, hi, neg_lo = self._gather_counts(local)
+        vocab = getattr(getattr(models[0], "config", None), "vocab_size", None) if models else None
+        _check_ids(hi, -neg_lo, vocab, step)      # every rank the same verdict, before any forward
+        self.step_tokens, self.step_samples = total_tokens, samples
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._aux_seen = False
+        self._aux_seen, self._reduced = False, None
         self.in_step = True
         self._on_sync_change(False)
         try:
@@ -95,10 +139,20 @@ class GradientAccumulator:
             self.in_step = False
             self._on_sync_change(True)
             _set_sync(models, reduce_now=True, all_reduce_now=True, reshard_now=True)
-        sums = self._all_reduce(torch.stack([self._loss_sum.detach(), self._aux_sum.detach()]).cpu())
-        self.step_loss = float(sums[0]) / self.step_tokens if self.step_tokens else 0.0
-        self.step_aux_loss = (float(sums[1]) / self.step_tokens if self.step_tokens else 0.0) \
-            if self._aux_seen else None
+
+    def _gather_counts(self, local: List[int]) -> List[int]:
+        """Sums of tokens and samples over the DP ranks (each counted once although tp/cp peers hold it
+        too) and the max of the id bounds: one all_gather of host integers over the CPU group."""
+        if self.dp_size == 1 or not dist.is_initialized():
+            return local
+        on_host = dist.get_backend(self.group) == "gloo"     # the CPU group; else the default one
+        mine = torch.tensor(local, dtype=torch.int64, device="cpu" if on_host else self.device)
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, mine, group=self.group)
+        table = torch.stack(parts).cpu()
+        sums = table.sum(dim=0) // self.same_tokens
+        highs = table.max(dim=0).values
+        return [int(sums[0]), int(sums[1]), int(highs[2]), int(highs[3])]
 
     def _enter_micro_batch(self, models, tokens: int, is_last: bool) -> None:
         self._micro_tokens = tokens
@@ -108,7 +162,7 @@ class GradientAccumulator:
         self._on_sync_change(is_last)
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the data-parallel ranks: each token counted once although its tp/cp peers hold it too."""
+        """Sum of a host tensor over the data-parallel ranks, each token counted once (tp/cp peers)."""
         if self.dp_size > 1:
             if self.group is None:   # the default group, whose backend talks to the device
                 moved = tensor.to(self.device)
@@ -122,12 +176,12 @@ class GradientAccumulator:
 
     def scale_step_loss(self, loss: torch.Tensor) -> torch.Tensor:
         tokens, total = self._micro_tokens, self.step_tokens
-        if total == 0:
+        if total == 0:       # rare: reading the loss on the host is fine here
             if torch.any(loss.detach() != 0):
                 raise ValueError("This step has no valid label tokens on any rank (all labels are -100) "
                                  "but the loss is non-zero; check the collate function's labels.")
             return loss * 0.0
-        if tokens == 0 and not torch.isfinite(loss.detach()).all():
+        if tokens == 0 and not torch.isfinite(loss.detach()).all():   # host-known rare case only
             raise ValueError("A micro-batch has no valid label tokens and its mean loss is NaN; "
                              "drop such samples or pack sequences so every micro-batch has labels.")
         self._loss_sum = self._loss_sum + loss.detach().to(torch.float64) * tokens

@@ -1,13 +1,19 @@
-"""Per-step training metrics: one collective per step, then rank 0 writes them everywhere.
+"""Training metrics: reduced across ranks on logging steps only, then written by rank 0 to its sinks.
 
-``MetricsLogger.log_step`` is called by every rank once per optimizer step. It packs this rank's
-step time, tokens, samples and device memory into one small tensor and exchanges it with ONE
-``all_gather`` over ``group`` (skipped without a process group or with a group of one). Every
-rank then holds the same record: ``step_time`` is the slowest rank's, ``tokens_per_second`` the
-global tokens over that time. Rank 0 alone writes the sinks: a tqdm progress bar, a
-``step=N loss=... lr=... grad_norm=... tokens/s=...`` line every ``logging_steps``, one JSON object
-per step appended (and flushed) to ``metrics_file``, and TensorBoard scalars when
-``tensorboard_dir`` is set and tensorboard is installed.
+``MetricsLogger.log_step`` is called by every rank once per optimizer step. On a step that does not
+log it only adds host numbers to the current window (step time, the step's global token and sample
+counts) and moves the progress bar: no collective, no tensor read. Values passed as zero-argument
+callables (``loss=lambda: acc.step_loss``) are evaluated on logging steps only, so a device loss is
+never synchronised on the others. Every ``logging_steps`` (and at ``max_steps``) the window's time and
+the memory are exchanged with ONE ``all_gather`` over ``group``; every rank then holds the same record:
+``step_time`` = the slowest rank's mean step time over the window, ``tokens_per_second`` = the
+window's tokens over the slowest rank's window time. Rank 0 alone writes the sinks: a tqdm progress
+bar, a ``step=N loss=... lr=... grad_norm=... tokens/s=...`` line, one JSON object per logged step
+appended (and flushed) to ``metrics_file``, and TensorBoard scalars when ``tensorboard_dir`` is set.
+
+Counters, one meaning each: ``tokens`` = the logged step's valid label tokens over all ranks (what the
+loss averages over; the accumulator's ``step_tokens``), ``consumed_tokens`` = their running sum,
+``samples``/``consumed_samples`` likewise in sequences.
 
 Memory: on cuda/npu the record holds ``memory_allocated_gib``, ``memory_reserved_gib`` and
 ``max_memory_allocated_gib`` (the maximum over ranks); on CPU it holds ``memory_rss_gib`` (the
@@ -33,8 +39,8 @@ from hyperacc.runtime import collective_float_dtype, device_module
 __all__ = ["MetricsLogger", "StepTimer", "PeriodicCleanup", "device_memory_gib"]
 
 _GIB = float(1 << 30)
-# Order of the packed per-rank values.
-_FIELDS = ("step_time", "tokens", "samples", "mem_allocated", "mem_reserved", "mem_peak", "rss")
+# Memory values gathered with the window time (max over ranks; -1 = not available here).
+_MEMORY = ("memory_allocated_gib", "memory_reserved_gib", "max_memory_allocated_gib", "memory_rss_gib")
 
 
 def _rss_bytes() -> Optional[int]:
@@ -62,6 +68,8 @@ def device_memory_gib(device_type: str = "cpu") -> Dict[str, float]:
 
 
 def _to_float(value) -> Optional[float]:
+    if callable(value) and not isinstance(value, torch.Tensor):
+        value = value()
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -186,6 +194,7 @@ class MetricsLogger:
         self.device_type = device_type
         self.consumed_tokens = int(consumed_tokens)
         self.consumed_samples = int(consumed_samples)
+        self._window = [0.0, 0, 0]      # seconds, tokens, steps since the last record
         if is_main_process is None:
             is_main_process = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
         self.is_main_process = bool(is_main_process)
@@ -238,55 +247,38 @@ class MetricsLogger:
 
     def log_step(self, *, step: int, loss, step_time: float, tokens: int = 0, samples: int = 0,
                  epoch: int = 0, grad_norm=None, lr=None, consumed_tokens: Optional[int] = None,
-                 consumed_samples: Optional[int] = None, extra: Optional[Dict[str, Any]] = None) -> dict:
-        """Record one optimizer step; call on EVERY rank of ``group`` (it holds a collective).
+                 consumed_samples: Optional[int] = None, extra: Optional[Dict[str, Any]] = None) -> Optional[dict]:
+        """Record one optimizer step; call on EVERY rank of ``group`` (logging steps hold a collective).
 
-        ``loss``: the step's loss, already the global token mean (not reduced here).
-        ``step_time``: this rank's seconds for the step (the max over ranks is recorded).
-        ``tokens``/``samples``: processed by this rank in the step (summed over ranks).
-        ``grad_norm``/``lr``: floats or tensors (a list of lrs: the first is used). A DTensor is
-        turned into a full tensor (a collective of its own unless it is replicated): pass a plain
-        tensor or float to keep one collective per step.
-        Returns the record (identical on every rank); rank 0 also writes it to the sinks.
+        ``loss``/``grad_norm``/``lr``/``extra`` values: floats, tensors or zero-argument callables
+        (evaluated on logging steps only). ``loss`` is the global mean already (not reduced here).
+        ``step_time``: this rank's seconds. ``tokens``/``samples``: the step's global counts.
+        Returns the record (identical on every rank) on a logging step, else None.
         """
+        self._window[0] += float(step_time)
+        self._window[1] += int(tokens)
+        self._window[2] += 1
+        self.consumed_tokens = self.consumed_tokens + int(tokens) if consumed_tokens is None else int(consumed_tokens)
+        self.consumed_samples = self.consumed_samples + int(samples) if consumed_samples is None \
+            else int(consumed_samples)
+        if step % self.logging_steps and step != self.max_steps:
+            if self._bar is not None and step > self._bar.n:
+                self._bar.update(step - self._bar.n)
+            return None
         memory = device_memory_gib(self.device_type)
-        values = [float(step_time), float(tokens), float(samples),
-                  memory.get("memory_allocated_gib", -1.0), memory.get("memory_reserved_gib", -1.0),
-                  memory.get("max_memory_allocated_gib", -1.0), memory.get("memory_rss_gib", -1.0)]
-        table = self._gather(values)
-        maxima = table.max(dim=0).values
-        sums = table.sum(dim=0)
-        slowest = float(maxima[0])
-        global_tokens = int(round(float(sums[1])))
-        global_samples = int(round(float(sums[2])))
-        if consumed_tokens is None:
-            self.consumed_tokens += global_tokens
-        else:
-            self.consumed_tokens = int(consumed_tokens)
-        if consumed_samples is None:
-            self.consumed_samples += global_samples
-        else:
-            self.consumed_samples = int(consumed_samples)
-        record = {
-            "step": int(step),
-            "epoch": int(epoch),
-            "loss": _to_float(loss),
-            "grad_norm": _to_float(grad_norm),
-            "lr": _to_float(lr),
-            "step_time": slowest,
-            "tokens_per_second": global_tokens / slowest if slowest > 0 else 0.0,
-            "tokens": global_tokens,
-            "samples": global_samples,
-            "consumed_tokens": self.consumed_tokens,
-            "consumed_samples": self.consumed_samples,
-        }
-        for index, key in enumerate(("memory_allocated_gib", "memory_reserved_gib",
-                                     "max_memory_allocated_gib", "memory_rss_gib"), start=3):
-            if float(maxima[index]) >= 0:
-                record[key] = float(maxima[index])
-        if extra:
-            record.update({k: _to_float(v) if isinstance(v, torch.Tensor) else v
-                           for k, v in extra.items()})
+        maxima = self._gather([self._window[0]] + [memory.get(k, -1.0) for k in _MEMORY]).max(dim=0).values.tolist()
+        window_time, window_tokens, window_steps = maxima[0], self._window[1], self._window[2]
+        self._window = [0.0, 0, 0]
+        record = {"step": int(step), "epoch": int(epoch), "loss": _to_float(loss), "grad_norm": _to_float(grad_norm),
+                  "lr": _to_float(lr), "step_time": window_time / window_steps,
+                  "tokens_per_second": window_tokens / window_time if window_time > 0 else 0.0,
+                  "tokens": int(tokens), "samples": int(samples), "consumed_tokens": self.consumed_tokens,
+                  "consumed_samples": self.consumed_samples}
+        record.update({key: value for key, value in zip(_MEMORY, maxima[1:]) if value >= 0})
+        for key, value in (extra or {}).items():
+            value = value() if callable(value) else value
+            if value is not None:
+                record[key] = _to_float(value) if isinstance(value, torch.Tensor) else value
         record["time"] = time.time()
         if self.is_main_process:
             self._write(record)
@@ -362,12 +354,9 @@ class MetricsLogger:
                 self._bar.update(step - self._bar.n)
             else:
                 self._bar.refresh()
-        if step % self.logging_steps == 0 or (self.max_steps is not None and step == self.max_steps):
-            self._print(f"step={step} loss={_format_number(record['loss'])} "
-                        f"lr={_format_number(record['lr'])} "
-                        f"grad_norm={_format_number(record['grad_norm'])} "
-                        f"tokens/s={record['tokens_per_second']:.1f} "
-                        f"step_time={record['step_time']:.3f}s")
+        self._print(f"step={step} loss={_format_number(record['loss'])} lr={_format_number(record['lr'])} "
+                    f"grad_norm={_format_number(record['grad_norm'])} tokens/s={record['tokens_per_second']:.1f} "
+                    f"step_time={record['step_time']:.3f}s")
 
 
 def _open_append(path: str):

@@ -7,7 +7,7 @@
   ``training.mode=validate``, cross-rank agreement checks;
 * fail-closed checks made before the process group or the model exist (:func:`check_output_path`,
   :func:`check_dataset_path`, :func:`check_optimizer`, :func:`check_model_config`) and after it
-  (:func:`raise_if_any_rank_failed`, :func:`check_token_ids`): every rank raises the same
+  (:func:`raise_if_any_rank_failed`): every rank raises the same
   one-line :class:`~hyperacc.cli_config.ConfigError`.
 
 Nothing here owns a process group: collectives go through the Accelerator that is passed in.
@@ -25,7 +25,7 @@ from hyperacc.runtime import collective_float_dtype
 
 __all__ = ["param_groups", "lr_lambda_scheduler", "evaluate", "eval_batch_indices", "StepChecks",
            "NonFiniteError", "DisagreementError", "check_output_path", "check_dataset_path", "check_optimizer",
-           "check_model_config", "check_token_ids", "raise_if_any_rank_failed", "TokenIdError"]
+           "check_model_config", "raise_if_any_rank_failed", "TokenIdError"]
 
 
 # ---------------------------------------------------------------------------------- optimizer
@@ -152,12 +152,15 @@ class StepChecks:
                 return index, value
         return -1, 0.0
 
-    def check(self, step: int, step_loss: Optional[float], grad_norm) -> None:
+    def check(self, step: int, step_loss, grad_norm) -> None:
+        """``step_loss``: a float or a zero-argument callable (read only when needed: production reads
+        just the global gradient norm, one scalar, since a non-finite loss makes it non-finite too)."""
         norm = float(grad_norm.detach() if torch.is_tensor(grad_norm) else grad_norm)
-        loss = float("nan") if step_loss is None else float(step_loss)
-        if not self.validate and math.isfinite(norm) and math.isfinite(loss):
+        if not self.validate and math.isfinite(norm):
             self._losses.clear()
             return
+        step_loss = step_loss() if callable(step_loss) else step_loss
+        loss = float("nan") if step_loss is None else float(step_loss)
         bad_index, bad_value = self._first_bad()
         self._losses.clear()
         local = torch.tensor([float(bad_index), bad_value, loss, norm], dtype=torch.float64)
@@ -312,33 +315,4 @@ def raise_if_any_rank_failed(error: Optional[BaseException], *, group=None, what
     raise _config_error(f"{prefix}{message}") from None
 
 
-class TokenIdError(ValueError):
-    """A batch holds token ids outside the model's vocabulary."""
-
-
-def check_token_ids(batch, vocab_size: int, step: int, *, group=None) -> None:
-    """Every token id of the step's batch (the loader's host tensors) lies in ``[0, vocab_size)``.
-
-    Cost per step: a min and a max over the CPU batch and, with several ranks, one all_reduce of two
-    integers on the CPU group, so that every rank raises the same :class:`TokenIdError` before
-    the forward (instead of ``IndexError: index out of range in self`` on one rank).
-    """
-    import torch.distributed as dist
-
-    hi, lo = -1, 0
-    for mb in batch:
-        ids = mb["input_ids"]
-        if ids.numel():
-            hi = max(hi, int(ids.max()))
-            lo = min(lo, int(ids.min()))
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        both = torch.tensor([hi, -lo], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        hi, lo = int(both[0]), -int(both[1])
-    if hi >= vocab_size:
-        raise TokenIdError(f"the batch of step {step} holds token id {hi} but the model's vocab_size is {vocab_size} "
-                           f"(ids must be < {vocab_size}): the data was tokenized with another, larger vocabulary. "
-                           f"Fix: convert the data with the model's tokenizer (data.tokenizer), or set "
-                           f"--model.overrides.vocab_size={hi + 1} or more.")
-    if lo < 0:
-        raise TokenIdError(f"the batch of step {step} holds a negative token id ({lo}). Fix: check the dataset.")
+from hyperacc.accumulation import TokenIdError  # noqa: E402,F401 - raised by the accumulator, re-exported

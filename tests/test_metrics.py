@@ -36,6 +36,7 @@ def test_single_process_jsonl_keys_and_values(tmp_path):
     last = lines[-1]
     assert last["loss"] == pytest.approx(1 / 3) and last["grad_norm"] == 2.0 and last["lr"] == 1e-4
     assert last["epoch"] == 1 and last["step_time"] == 0.5 and last["tokens_per_second"] == 128.0
+    assert last["tokens"] == 64  # the step's global count; consumed_tokens is their running sum
     assert last["consumed_tokens"] == 192 and last["consumed_samples"] == 6
     assert "memory_rss_gib" in last  # CPU reports the resident set size
 
@@ -63,11 +64,15 @@ def read_jsonl_last(path):
     return json.loads(Path(path).read_text().splitlines()[-1])
 
 
-def test_log_line_cadence_and_format():
-    lines = []
-    with MetricsLogger(logging_steps=3, max_steps=7, progress_bar=False, log_fn=lines.append) as logger:
-        run_steps(logger, range(1, 8))
+def test_log_line_cadence_and_format(tmp_path):
+    lines, path, evaluated = [], tmp_path / "m.jsonl", []
+    with MetricsLogger(metrics_file=str(path), logging_steps=3, max_steps=7, progress_bar=False,
+                       log_fn=lines.append) as logger:
+        returned = [logger.log_step(step=s, loss=lambda s=s: evaluated.append(s) or 1.0 / s, step_time=0.5,
+                                    tokens=64, samples=2, lr=[1e-4], grad_norm=torch.tensor(2.0)) for s in range(1, 8)]
     assert [line.split()[0] for line in lines] == ["step=3", "step=6", "step=7"]  # + the last step
+    assert evaluated == [3, 6, 7] and [r is None for r in returned] == [True, True, False, True, True, False, False]
+    assert [r["step"] for r in read_jsonl(path)] == [3, 6, 7] and read_jsonl(path)[-1]["consumed_tokens"] == 7 * 64
     assert lines[0].startswith("step=3 loss=0.3333 lr=1.000e-04 grad_norm=2.0000 tokens/s=128.0")
 
 
@@ -131,17 +136,21 @@ def test_two_ranks_one_collective_max_step_time_global_tokens(tmp_path):
     run_torchrun(SCRIPTS / "metrics_two_ranks.py", 2, args=[tmp_path, metrics_file], timeout=180)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for result in ranks:
-        assert result["calls"] == [["all_gather"]] * 5  # exactly one collective per log_step
+        # one collective per logging step (2, 4 and the last, 5), none on the others
+        assert result["calls"] == [[], ["all_gather"], [], ["all_gather"], ["all_gather"]]
     rec0, rec1 = ranks[0]["records"], ranks[1]["records"]
-    strip = lambda recs: [{k: v for k, v in r.items() if k != "time"} for r in recs]  # noqa: E731
+    assert [r is None for r in rec0] == [True, False, True, False, False]
+    strip = lambda recs: [{k: v for k, v in r.items() if k != "time"} for r in recs if r]  # noqa: E731
     assert strip(rec0) == strip(rec1)  # every rank returns the same record
-    for step, rec in enumerate(rec0, start=1):
-        assert rec["step_time"] == pytest.approx(0.2 * step)  # max over ranks (rank 1 is slower)
+    windows = {2: (1, 2), 4: (3, 4), 5: (5,)}   # rank 1 (the slower) takes 0.2 * step seconds per step
+    for rec in strip(rec0):
+        seconds = sum(0.2 * s for s in windows[rec["step"]])
+        assert rec["step_time"] == pytest.approx(seconds / len(windows[rec["step"]]))
         assert rec["tokens"] == 300 and rec["samples"] == 3
-        assert rec["tokens_per_second"] == pytest.approx(300 / (0.2 * step))
-        assert rec["consumed_tokens"] == 300 * step
+        assert rec["tokens_per_second"] == pytest.approx(300 * len(windows[rec["step"]]) / seconds)
+        assert rec["consumed_tokens"] == 300 * rec["step"]
     written = read_jsonl(metrics_file)
-    assert [r["step"] for r in written] == [1, 2, 3, 4, 5]  # one writer: rank 0
+    assert [r["step"] for r in written] == [2, 4, 5]  # one writer: rank 0
     assert strip(written) == strip(rec0)
     assert [line.split()[0] for line in ranks[0]["lines"]] == ["step=2", "step=4", "step=5"]
     assert ranks[1]["lines"] == [] and ranks[1]["bar"] == ""
