@@ -12,7 +12,7 @@ optimizers are rebound to the sharded parameters that `fully_shard` creates.
 from __future__ import annotations
 
 import contextlib
-import os
+import functools
 import random
 import re
 from typing import Optional
@@ -74,7 +74,7 @@ class Accelerator(accelerate.Accelerator):
 
         # Validate the parallel sizes against the world, then start the process group: both before
         # accelerate builds its state, so that the state describes this job.
-        world = int(os.environ.get("WORLD_SIZE", 1))
+        world = int(runtime_lib.env_value("WORLD_SIZE", "1"))
         if torch.distributed.is_initialized():
             world = torch.distributed.get_world_size()
         self.parallel_config.resolved(world)
@@ -96,12 +96,14 @@ class Accelerator(accelerate.Accelerator):
         if seed is not None:
             set_seed(self.seed)
         self.accumulator = GradientAccumulator(
-            device=self.device, dp_size=self.dp_size, group=self.runtime.cpu_group, fsdp=self.fsdp_config,
-            on_sync_change=self._set_sync_gradients, same_tokens=self._mesh.same_tokens)
+            device=self.device, dp_size=self._mesh.grad_ranks, group=self.runtime.cpu_group, fsdp=self.fsdp_config,
+            on_sync_change=self._set_sync_gradients, same_tokens=self._mesh.same_tokens,
+            same_samples=self._mesh.same_samples)
         self.progress = Progress()
         self._params = ParameterMap()
         self._train_loader = None
         self._checkpointer = None
+        self._step_end_called = False
         if self._checkpoint_policy_configured and self.checkpoint_config.save_ckpt:
             self._get_checkpointer().lock()   # a second job on this checkpoint_dir fails now, not at its first save
 
@@ -166,6 +168,10 @@ class Accelerator(accelerate.Accelerator):
         weights.fill_shards(model, pretrained)      # each rank reads its own slices; no-op without files
         self._params.record(model, originals)
         self._models.append(model)
+        # DDP's `model.no_sync()`, which scripts written for accelerate's DDP call on the model.
+        model.no_sync = functools.partial(self.no_sync, model)
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained = functools.partial(self._save_pretrained_full, model)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
@@ -278,6 +284,7 @@ class Accelerator(accelerate.Accelerator):
 
     def step_end(self):
         """Call once per optimizer step, after optimizer.step()/scheduler.step(): runs the save policy."""
+        self._step_end_called = True
         self._sync_epoch()
         if not self.checkpoint_config.save_ckpt:
             return None
@@ -296,6 +303,20 @@ class Accelerator(accelerate.Accelerator):
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
         """accelerate's signature; every rank writes its share of the files (`hyperacc.weights.export`)."""
         weights.save_model_sharded(model, save_directory, max_shard_size, safe_serialization, group=self.runtime.cpu_group)
+
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        """The user's own module (FSDP2 shards in place), resharded so that `save_pretrained` and
+        `state_dict` read the sharded parameters, not storage FSDP frees after an eval forward."""
+        _reshard(model)
+        return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper,
+                                    keep_torch_compile=keep_torch_compile)
+
+    def _save_pretrained_full(self, model, *args, state_dict=None, **kwargs):
+        """`model.save_pretrained(...)` on a prepared model: transformers would write the DTensor
+        shards as they are; hand it the full weights (gathered on the main process) instead."""
+        if state_dict is None:
+            state_dict = self.get_state_dict(model)
+        return type(model).save_pretrained(model, *args, state_dict=state_dict, **kwargs)
 
     def get_state_dict(self, model, unwrap: bool = True):
         """accelerate's (full weights gathered to every rank's host memory), after resharding: a
@@ -373,8 +394,9 @@ class Accelerator(accelerate.Accelerator):
     def end_training(self) -> None:
         """Finish trackers; final checkpoint only if a checkpoint policy was configured (or a save/load
         already ran); wait for async saves; release the process group if hyperacc created it."""
-        if self._checkpointer is not None or (self._checkpoint_policy_configured and self.checkpoint_config.save_ckpt):
-            self._get_checkpointer().finish(self._train_state())
+        policy = self._checkpoint_policy_configured or self._step_end_called
+        if self._checkpointer is not None or (policy and self.checkpoint_config.save_ckpt):
+            self._get_checkpointer().finish(self._train_state(), final_save=policy)
         for tracker in self.trackers:
             tracker.finish()
         runtime_lib.shutdown(self.runtime)

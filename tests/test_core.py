@@ -111,13 +111,14 @@ def test_dp_product_disagrees_with_world():
         ParallelConfig(dp_replicate_size=2, dp_shard_size=3).resolved(4)
 
 
-def test_tp_is_validated_and_cp_refused():
+def test_tp_and_cp_are_validated():
     from hyperacc.mesh import check_supported
     with pytest.raises(ValueError, match="not divisible"):
         ParallelConfig(tp_size=3).resolved(4)
+    with pytest.raises(ValueError, match="not divisible"):
+        ParallelConfig(cp_size=3).resolved(4)
     check_supported(ParallelConfig(tp_size=2).resolved(4))
-    with pytest.raises(NotImplementedError, match="not supported yet"):
-        check_supported(ParallelConfig(cp_size=2).resolved(4))
+    check_supported(ParallelConfig(cp_size=2).resolved(4))     # supported: tests/test_context_parallel.py
 
 
 def test_npu_requested_without_torch_npu():
@@ -178,6 +179,14 @@ def test_plain_dataloader_is_prepared_by_accelerate_and_resumes(acc):
     again = acc.prepare(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
     again.load_state_dict(state)
     assert [b.tolist() for b in again] == rest
+    # At an epoch boundary: the restored loader's next epoch is the original's next epoch.
+    boundary = loader.state_dict()
+    torch_state = torch.get_rng_state()
+    next_epoch = [b.tolist() for b in loader]
+    torch.set_rng_state(torch_state)          # what the checkpoint's RNG bucket restores
+    resumed = acc.prepare(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
+    resumed.load_state_dict(boundary)
+    assert [b.tolist() for b in resumed] == next_epoch
 
 
 def test_module_level_prepare():

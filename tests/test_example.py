@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tests.dist_utils import REPO, run_accelerate, run_python
+from dist_utils import REPO, run_accelerate, run_python
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
 CPU2 = REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"

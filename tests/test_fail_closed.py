@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.dist_utils import REPO, _env, free_port, run_accelerate, run_python
+from dist_utils import REPO, _env, free_port, run_accelerate, run_python
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
 NAN_SCRIPT = REPO / "tests" / "scripts" / "train_qwen_nan.py"

@@ -108,11 +108,12 @@ class Checkpointer:
         logger.info("saving checkpoint at step %d: %s", state.progress.global_step, reason)
         return self.save(state)
 
-    def finish(self, state: TrainState) -> None:
-        """End of training: a synchronous final save (unless this step was just saved), wait for
-        in-flight saves, export to Hugging Face format when ``save_consolidated == "final"``."""
+    def finish(self, state: TrainState, *, final_save: bool = True) -> None:
+        """End of training: a synchronous final save (unless this step was just saved, or
+        ``final_save`` is False: no policy asked for one), wait for in-flight saves, export to
+        Hugging Face format when ``save_consolidated == "final"``."""
         try:
-            if not self.config.save_ckpt:
+            if not self.config.save_ckpt or not final_save:
                 self.wait()
                 return
             step = int(state.progress.global_step)
@@ -308,12 +309,18 @@ class Checkpointer:
                                            "or copy the damaged file back from a backup.")
         return None
 
+    def _manages(self, path: str) -> bool:
+        """Whether ``path`` is a step directory of ``checkpoint_dir`` (the layout hyperacc owns: lock,
+        LATEST, retention, config.yaml). An explicit directory elsewhere (accelerate's
+        ``save_state("my_dir")``) is written and read as it is, touching nothing else."""
+        return os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.config.checkpoint_dir)
+
     def _candidates(self, source: str) -> list:
-        """Rank 0: the single-writer lock (when this job may save), then the checkpoints ``source``
-        may mean, best first (several only for "LATEST")."""
-        if self.config.save_ckpt:
-            self._lock.acquire()
+        """Rank 0: the single-writer lock (when this job may save into checkpoint_dir), then the
+        checkpoints ``source`` may mean, best first (several only for "LATEST")."""
         root = self.config.checkpoint_dir
+        if self.config.save_ckpt and (source == "LATEST" or self._manages(discovery.resolve_source(source, root) or source)):
+            self._lock.acquire()
         if source == "LATEST":
             candidates = discovery.latest_candidates(root)
             if candidates:
@@ -328,8 +335,9 @@ class Checkpointer:
 
     def _prepare_dir(self, path: str) -> str:
         """Rank 0, before a save: the lock, the run's config, and whether ``path`` may be written."""
-        self._lock.acquire()
-        self._write_root_config()
+        if self._manages(path):
+            self._lock.acquire()
+            self._write_root_config()
         if containment.is_foreign(path):
             return "foreign"
         if discovery.is_complete(path):

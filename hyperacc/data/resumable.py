@@ -55,7 +55,10 @@ class ResumableLoader:
             for batch in batches:
                 self._batches_in_epoch += 1
                 yield batch
-            self._batches_in_epoch = 0   # epoch finished: the next position is the next epoch's start
+            # Epoch finished: the next position is the next epoch's start, whose order is drawn
+            # from the random state of that moment (state_dict() then records the current one).
+            self._batches_in_epoch = 0
+            self._epoch_start = None
         finally:
             self.base_loader.skip_batches = previous_skip
 
@@ -94,7 +97,8 @@ class ResumableLoader:
     def state_dict(self) -> dict:
         if self._stateful():
             return {"stateful": self.base_loader.state_dict()}
-        return {"epoch": self.epoch, "batches": self._batches_in_epoch, "random_state": self._epoch_start,
+        start = self._epoch_start if self._epoch_start is not None else self._random_state()
+        return {"epoch": self.epoch, "batches": self._batches_in_epoch, "random_state": start,
                 "length": len(self.base_loader)}
 
     def load_state_dict(self, state: dict) -> None:
