@@ -3,7 +3,10 @@
 Step mode (`accumulate(model, batch)` with a list of micro-batches): every micro-batch's mean loss
 is rescaled by (its valid label tokens) / (valid tokens of the whole step over all micro-batches
 and data-parallel ranks), so that the summed gradients equal those of the global token mean, and
-multiplied by the DP size to cancel the average FSDP2 takes when it reduces gradients.
+multiplied by the DP size to cancel the average FSDP2 takes when it reduces gradients. With context
+parallelism each micro-batch is first cut into this rank's piece of every sequence
+(`hyperacc.parallel.context`): tokens are then counted per piece (each once over dp x cp), and the
+"DP size" above is dp x cp, the ranks FSDP averages over.
 
 Host synchronisation: the step's statistics that the scaling needs (valid label tokens, samples, and
 the token-id range of ``input_ids``) are counted on the loader's host tensors and exchanged with ONE
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hyperacc.config import FSDPConfig
+from hyperacc.parallel.context import context_of
 
 IGNORE_INDEX = -100
 
@@ -33,6 +37,15 @@ IGNORE_INDEX = -100
 def count_label_tokens(labels: torch.Tensor) -> int:
     """Tokens that contribute to a causal-LM loss: labels != -100 after the model's shift by one."""
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def _micro_batch_tokens(micro_batch: Mapping) -> int:
+    """A micro-batch's loss tokens; ``shift_labels`` (already shifted, e.g. a context-parallel piece
+    of a sequence) are counted as they are."""
+    shifted = micro_batch.get("shift_labels")
+    if torch.is_tensor(shifted):
+        return int((shifted != IGNORE_INDEX).sum())
+    return count_label_tokens(micro_batch["labels"])
 
 
 def _to_device(micro_batch: Mapping, device: torch.device) -> dict:
@@ -81,11 +94,13 @@ class GradientAccumulator:
     """Owns the per-step accumulation state; the Accelerator forwards `accumulate`/`backward` here."""
 
     def __init__(self, *, device: torch.device, dp_size: int, group, fsdp: FSDPConfig,
-                 on_sync_change: Callable[[bool], None] = lambda _value: None, same_tokens: int = 1):
+                 on_sync_change: Callable[[bool], None] = lambda _value: None, same_tokens: int = 1,
+                 same_samples: Optional[int] = None):
         self.device = device
-        self.dp_size = dp_size
+        self.dp_size = dp_size          # ranks holding distinct tokens (dp x cp): FSDP's reduction world
         self.group = group              # spans every rank; ``same_tokens`` of them hold each token
-        self.same_tokens = same_tokens  # the tp x cp peers of a DP rank: sums over ``group`` / this
+        self.same_tokens = same_tokens  # the tp peers of a rank: token/loss sums over ``group`` / this
+        self.same_samples = same_samples or same_tokens   # the tp x cp peers: sample sums / this
         self.fsdp = fsdp
         self._on_sync_change = on_sync_change   # mirrors sync_gradients into accelerate's GradientState
         self.in_step = False
@@ -120,11 +135,22 @@ class GradientAccumulator:
     @contextlib.contextmanager
     def step(self, models, batch, step: Optional[int] = None) -> Iterator["_MicroBatches"]:
         _validate_step_batch(batch)
-        tokens = [count_label_tokens(mb["labels"]) for mb in batch]   # host tensors: no device sync
+        context, problem = context_of(models), None
+        if context is not None:                   # context parallelism: this rank's piece of each sequence
+            try:
+                batch = [context.shard(mb) for mb in batch]
+            except ValueError as err:             # told to every rank through the count exchange
+                problem = str(err)
+        tokens = [_micro_batch_tokens(mb) for mb in batch]   # host tensors: no device sync
         ids = [mb["input_ids"] for mb in batch if torch.is_tensor(mb.get("input_ids")) and mb["input_ids"].numel()]
         local = [sum(tokens), sum(int(mb["labels"].shape[0]) for mb in batch),
-                 max((int(i.max()) for i in ids), default=-1), -min((int(i.min()) for i in ids), default=0)]
-        total_tokens, samples, hi, neg_lo = self._gather_counts(local)
+                 max((int(i.max()) for i in ids), default=-1), -min((int(i.min()) for i in ids), default=0),
+                 int(problem is not None)]
+        total_tokens, samples, hi, neg_lo, bad = self._gather_counts(local)
+        if bad:
+            raise ValueError(problem or f"{bad} rank(s) could not split their micro-batches for context "
+                             "parallelism (sequence length not divisible by cp_size, or left padding); "
+                             "their own error says which.")
         vocab = getattr(getattr(models[0], "config", None), "vocab_size", None) if models else None
         _check_ids(hi, -neg_lo, vocab, step)      # every rank the same verdict, before any forward
         self.step_tokens, self.step_samples = total_tokens, samples
@@ -134,7 +160,8 @@ class GradientAccumulator:
         self.in_step = True
         self._on_sync_change(False)
         try:
-            yield _MicroBatches(self, models, batch, tokens)
+            with context.sharded() if context is not None else contextlib.nullcontext():
+                yield _MicroBatches(self, models, batch, tokens)
         finally:
             self.in_step = False
             self._on_sync_change(True)
@@ -150,9 +177,10 @@ class GradientAccumulator:
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, mine, group=self.group)
         table = torch.stack(parts).cpu()
-        sums = table.sum(dim=0) // self.same_tokens
+        sums = table.sum(dim=0)
         highs = table.max(dim=0).values
-        return [int(sums[0]), int(sums[1]), int(highs[2]), int(highs[3])]
+        return [int(sums[0]) // self.same_tokens, int(sums[1]) // self.same_samples, int(highs[2]), int(highs[3]),
+                int(sums[4])]
 
     def _enter_micro_batch(self, models, tokens: int, is_last: bool) -> None:
         self._micro_tokens = tokens

@@ -7,6 +7,9 @@ With ``tp > 1`` the parameters the model's TP plan splits are 1/tp first; with `
 experts are 1/ep per rank (whole experts) and FSDP-sharded over efsdp = dp_shard*tp/ep instead.
 All-to-all volume (EP): every routed (token, expert) pair whose expert lives on another rank is
 sent there and its output sent back, in forward, backward (and the recompute forward).
+With ``cp > 1`` FSDP shards over dp_shard*cp, each rank holds seq/cp tokens of every sequence
+(activations and logits 1/cp), attention holds heads/(tp*cp) heads of the whole sequence, and
+q, k, v and the attention output cross the cp group by all-to-all in every (re)computation.
 
 Estimated bytes per rank (``estimate``):
   persistent: sharded fp32 master parameters, sharded fp32 gradients, AdamW's two fp32 moments;
@@ -48,6 +51,7 @@ class ShardingPlan:
     device_bytes: float                  # what lives in device memory
     host_bytes: float                    # what lives in host memory (CPU offload)
     notes: List[str]
+    cp: int = 1
 
 
 def _numel(shape) -> int:
@@ -98,13 +102,14 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
     fixed = dp_replicate * tp * cp
     if world_size % fixed:
         raise ValueError(f"world size {world_size} is not divisible by dp_replicate*tp*cp={fixed}")
-    if cp != 1:
-        raise ValueError("the dry run does not plan context parallelism: cp_size must be 1")
-    shards = world_size // fixed
+    dp_shard = world_size // fixed
+    shards = dp_shard * cp                          # FSDP shards dense parameters over dp_shard x cp
     if (shards * tp) % ep:
-        raise ValueError(f"ep_size={ep} does not divide dp_shard*tp = {shards * tp}")
+        raise ValueError(f"ep_size={ep} does not divide dp_shard*cp*tp = {shards * tp}")
     efsdp = shards * tp // ep
     share = _parallel_shares(model, tp, ep)
+    from hyperacc.parallel.context import check_context_parallel, kv_replication
+    check_context_parallel(model, cp, tp)
     names = block_classes(model, wrap_classes)
     blocks = find_blocks(model, names)
 
@@ -161,7 +166,7 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
         top_k = int(getattr(config, "num_experts_per_tok", 1) or 1)
         hidden = int(getattr(config, "hidden_size", 0))
         layers = sum(1 for n in share if share[n][1] and n.endswith(".gate_up_proj")) or len(blocks)
-        tokens = micro_batch_size * seq_len * micro_batches / tp       # a tp group's ranks split its tokens
+        tokens = micro_batch_size * seq_len * micro_batches / tp / cp  # a tp group's ranks split its tokens
         passes = 2 * (3 if activation_checkpointing else 2)            # dispatch + combine, fwd/bwd(/recompute)
         all_to_all = tokens * top_k * hidden * compute * layers * passes * (ep - 1) / ep
         sizes_note = f"all-to-all per rank and step (EP, sent): {_bytes(all_to_all).strip()}"
@@ -172,16 +177,24 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
         layers = len(blocks)
         heads = int(getattr(config, "num_attention_heads", 1))
         vocab = int(getattr(config, "vocab_size", 0))
-        tokens = micro_batch_size * seq_len
+        tokens = micro_batch_size * seq_len // cp                   # this rank's piece of each sequence
         block_peak = tokens * hidden * compute * 16
-        if eager_attention:      # the (heads x seq x seq) score and probability matrices
-            block_peak += micro_batch_size * heads * seq_len * seq_len * compute * 2
+        if eager_attention:      # the (heads x seq x seq) score and probability matrices, heads of this rank
+            block_peak += micro_batch_size * max(1, heads // (tp * cp)) * seq_len * seq_len * compute * 2
         if activation_checkpointing:
             acts = layers * tokens * hidden * compute + block_peak
         else:
             acts = layers * block_peak
         acts += 2 * tokens * vocab * 4
         sizes["activations (rough: block inputs, one block's recompute, fp32 logits)"] = float(acts)
+        if cp > 1:
+            head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+            kv = int(getattr(config, "num_key_value_heads", None) or heads) // tp
+            kv *= kv_replication(heads // tp, max(kv, 1), cp) or 1
+            per_token = (2 * heads // tp + 2 * kv) * head_dim * compute     # q, k, v out; attention output back
+            passes = 3 if activation_checkpointing else 2                # forward, backward (, recompute)
+            cp_bytes = tokens * micro_batches * layers * per_token * passes * (cp - 1) / cp
+            notes.append(f"all-to-all per rank and step (CP, sent): {_bytes(cp_bytes).strip()}")
         notes.append("activations are a rough order of magnitude" + (
             " (eager attention: its seq x seq scores are included)" if eager_attention else ""))
     persistent = ("params (fp32 master, sharded)", "grads (fp32, sharded)",
@@ -195,7 +208,8 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
         device = sum(sizes.values())
     if not blocks:
         notes.append(f"no module of class {names} found: the whole model is one FSDP unit")
-    return ShardingPlan(world_size=world_size, dp_replicate=dp_replicate, dp_shard=shards, tp=tp, ep=ep, efsdp=efsdp,
+    return ShardingPlan(world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep,
+                        efsdp=efsdp,
                         dense_params_per_rank=local_dense, expert_params_per_rank=local_expert,
                         all_to_all_bytes=all_to_all, total_params=total,
                         params_per_rank=local, units=len(unit_sizes), largest_unit_params=largest,
@@ -220,7 +234,7 @@ def format_plan(plan: ShardingPlan) -> str:
     """A readable report of ``plan``; the first lines are stable for scripts to grep."""
     lines = [
         f"dry run: world_size={plan.world_size} (dp_replicate={plan.dp_replicate} x dp_shard={plan.dp_shard}"
-        + (f" x tp={plan.tp}" if plan.tp > 1 else "")
+        + (f" x cp={plan.cp}" if plan.cp > 1 else "") + (f" x tp={plan.tp}" if plan.tp > 1 else "")
         + (f"; experts: ep={plan.ep} x efsdp={plan.efsdp}" if plan.ep > 1 else "") + ")",
         f"total_params={plan.total_params} ({_human(plan.total_params)})",
         f"params_per_rank={plan.params_per_rank} ({_human(plan.params_per_rank)})",

@@ -102,7 +102,7 @@ def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device
         experts = parallel.parallelize(model, info)
         for module in experts:
             fully_shard(module, mesh=info.expert_fsdp_mesh, **kwargs)
-        parallel.set_expert_gradient_reduction(experts, info.dp_size, info.parallel.efsdp_size)
+        parallel.set_expert_gradient_reduction(experts, info.grad_ranks, info.parallel.efsdp_size)
     for block in blocks:
         fully_shard(block, mesh=fsdp_mesh, **kwargs)
     fully_shard(model, mesh=fsdp_mesh, **kwargs)

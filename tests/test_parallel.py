@@ -197,10 +197,9 @@ def test_model_without_tp_plan_is_an_error():
         parallel.check_model(model, ParallelConfig(tp_size=2).resolved(2))
 
 
-def test_cp_still_refused():
+def test_cp_is_accepted_by_the_mesh_checks():      # context parallelism: tests/test_context_parallel.py
     from hyperacc.mesh import check_supported
-    with pytest.raises(NotImplementedError, match="context parallelism is not supported yet"):
-        check_supported(ParallelConfig(cp_size=2).resolved(4))
+    check_supported(ParallelConfig(cp_size=2).resolved(4))
 
 
 def test_ep_size_from_environment(monkeypatch):

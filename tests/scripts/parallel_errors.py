@@ -24,6 +24,9 @@ CASES = {   # name: (ParallelConfig sizes, model config, sequence length of the 
     "ep_experts": (dict(ep_size=2), qwen3_moe_config(num_experts=3), 16),
     "tp_heads": (dict(tp_size=2), qwen3_moe_config(num_attention_heads=3, num_key_value_heads=1), 16),
     "dense_ep": (dict(ep_size=2), dense(), 16),
+    "cp_seq": (dict(cp_size=2), qwen3_moe_config(), 15),
+    "cp_heads": (dict(cp_size=2), qwen3_moe_config(num_attention_heads=3, num_key_value_heads=1), 16),
+    "cp_unwrappable": (dict(cp_size=2), None, 16),     # a plain torch module: no AttentionInterface
 }
 
 
@@ -31,7 +34,8 @@ def run(name):
     sizes, config, seq = CASES[name]
     acc = hyperacc.Accelerator(parallel=hyperacc.ParallelConfig(**sizes),
                                checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=1)
-    model = acc.prepare(build_causal_lm(config, meta_device=True))
+    model = build_causal_lm(config, meta_device=True) if config is not None else torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model = acc.prepare(model)
     ids = torch.randint(0, 64, (1, seq))
     with acc.accumulate(model, [{"input_ids": ids, "labels": ids.clone()}]) as micro_batches:
         for mb in micro_batches:

@@ -5,11 +5,13 @@ FSDP2 + TP/EP sharding), trains ``--steps`` AdamW steps from the same seeded met
 the same global batches, and records per-step loss, aux loss, grad norm and token counts.
 Usage: train_parallel.py OUT.json LAYOUT [LAYOUT ...] [--steps N] [--recompute LAYOUT ...]
        [--ckpt DIR] [--save-step K]
-       LAYOUT: e.g. dp4, dp2tp2, dp4ep2, dp2tp2ep4, rep2dp2ep2, dp1 (letters then sizes);
+       [--no-aux] [--pad-multiple M]
+       LAYOUT: e.g. dp4, dp2tp2, dp4ep2, dp2tp2ep4, rep2dp2ep2, dp2cp2, dp1 (letters then sizes);
        "dp2tp2<dp4" resumes from the checkpoint layout dp4 saved in DIR (DIR/dp4) and trains on.
        --save-step K: every layout saves its step-K state to DIR/<layout>.
 """
 import argparse
+import functools
 import json
 import os
 import re
@@ -26,15 +28,16 @@ EXPERTS = 8
 
 
 def parse_layout(text):
-    sizes = {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 1, "ep_size": 1}
-    names = {"rep": "dp_replicate_size", "dp": "dp_shard_size", "tp": "tp_size", "ep": "ep_size"}
+    sizes = {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 1, "ep_size": 1, "cp_size": 1}
+    names = {"rep": "dp_replicate_size", "dp": "dp_shard_size", "tp": "tp_size", "ep": "ep_size", "cp": "cp_size"}
     for key, value in re.findall(r"([a-z]+)(\d+)", text):
         sizes[names[key]] = int(value)
     return sizes
 
 
-def model_config():
-    return qwen3_moe_config(num_experts=EXPERTS, num_experts_per_tok=2, output_router_logits=True,
+def model_config(aux=True):
+    # the router aux loss is a statistic of the tokens a rank sees: off when cp splits sequences
+    return qwen3_moe_config(num_experts=EXPERTS, num_experts_per_tok=2, output_router_logits=aux,
                             router_aux_loss_coef=0.01)
 
 
@@ -54,10 +57,10 @@ def train(spec, args):
         parallel=hyperacc.ParallelConfig(**sizes),
         fsdp=hyperacc.FSDPConfig(activation_checkpointing=spec in args.recompute),
         checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=7)
-    model = build_causal_lm(model_config(), meta_device=True)
+    model = build_causal_lm(model_config(not args.no_aux), meta_device=True, router_aux_loss=not args.no_aux)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loader = hyperacc.MicroBatchDataLoader(TokenDataset(160, True), global_batch_size=args.gbs,
-                                           micro_batch_size=args.mbs, collate_fn=pad_collate, seed=3)
+                                           micro_batch_size=args.mbs, collate_fn=functools.partial(pad_collate, pad_to_multiple_of=args.pad_multiple), seed=3)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
     if source:
         acc.load_state(os.path.join(args.ckpt, source))
@@ -74,7 +77,7 @@ def train(spec, args):
             with acc.accumulate(model, batch) as micro_batches:
                 for mb in micro_batches:
                     out = model(**mb)
-                    aux += float(out.aux_loss.detach())
+                    aux += float(out.aux_loss.detach()) if out.aux_loss is not None else 0.0
                     acc.backward(out.loss)
             record["grad_norms"].append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
             optimizer.step()
@@ -102,6 +105,8 @@ def main():
     parser.add_argument("--recompute", nargs="*", default=[])
     parser.add_argument("--ckpt")
     parser.add_argument("--save-step", type=int, default=0)
+    parser.add_argument("--no-aux", action="store_true")
+    parser.add_argument("--pad-multiple", type=int, default=None)
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         dist.init_process_group("gloo")
