@@ -12,7 +12,6 @@ optimizers are rebound to the sharded parameters that `fully_shard` creates.
 from __future__ import annotations
 
 import contextlib
-import functools
 import random
 import re
 from typing import Optional
@@ -20,7 +19,6 @@ from typing import Optional
 import accelerate
 import numpy as np
 import torch
-from accelerate.scheduler import AcceleratedScheduler
 
 from hyperacc import compat, parallel, weights
 from hyperacc import runtime as runtime_lib
@@ -168,10 +166,7 @@ class Accelerator(accelerate.Accelerator):
         weights.fill_shards(model, pretrained)      # each rank reads its own slices; no-op without files
         self._params.record(model, originals)
         self._models.append(model)
-        # DDP's `model.no_sync()`, which scripts written for accelerate's DDP call on the model.
-        model.no_sync = functools.partial(self.no_sync, model)
-        if hasattr(model, "save_pretrained"):
-            model.save_pretrained = functools.partial(self._save_pretrained_full, model)
+        compat.add_script_conveniences(model, self)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
@@ -192,9 +187,7 @@ class Accelerator(accelerate.Accelerator):
             prepared = PreparedScheduler(scheduler, self._optimizers)
             self._schedulers.append(prepared)
             return prepared
-        prepared = super().prepare_scheduler(scheduler)
-        assert isinstance(prepared, AcceleratedScheduler)
-        return prepared
+        return super().prepare_scheduler(scheduler)      # accelerate's AcceleratedScheduler
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         from hyperacc.data.loader import MicroBatchDataLoader
@@ -305,24 +298,14 @@ class Accelerator(accelerate.Accelerator):
         weights.save_model_sharded(model, save_directory, max_shard_size, safe_serialization, group=self.runtime.cpu_group)
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
-        """The user's own module (FSDP2 shards in place), resharded so that `save_pretrained` and
-        `state_dict` read the sharded parameters, not storage FSDP frees after an eval forward."""
-        _reshard(model)
+        """The user's own module (FSDP2 shards in place), resharded (see `compat.reshard`)."""
+        compat.reshard(model)
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper,
                                     keep_torch_compile=keep_torch_compile)
 
-    def _save_pretrained_full(self, model, *args, state_dict=None, **kwargs):
-        """`model.save_pretrained(...)` on a prepared model: transformers would write the DTensor
-        shards as they are; hand it the full weights (gathered on the main process) instead."""
-        if state_dict is None:
-            state_dict = self.get_state_dict(model)
-        return type(model).save_pretrained(model, *args, state_dict=state_dict, **kwargs)
-
     def get_state_dict(self, model, unwrap: bool = True):
-        """accelerate's (full weights gathered to every rank's host memory), after resharding: a
-        forward without backward (evaluation) leaves FSDP2 units unsharded, and a state dict read
-        then would alias storage that FSDP frees at the next reshard."""
-        _reshard(model)
+        """accelerate's (full weights on the main process's host), after `compat.reshard`."""
+        compat.reshard(model)
         return super().get_state_dict(model, unwrap=unwrap)
 
     # ------------------------------------------------------------------ checkpoints
@@ -348,7 +331,7 @@ class Accelerator(accelerate.Accelerator):
 
         self._sync_epoch()
         for model in self._models:
-            _reshard(model)
+            compat.reshard(model)
         return TrainState(
             models=list(self._models), optimizers=[o.optimizer for o in self._optimizers],
             schedulers=[s.scheduler for s in self._schedulers], loader=self._train_loader,
@@ -406,15 +389,6 @@ for _name in compat.NOT_SUPPORTED:
     setattr(Accelerator, _name, compat.not_supported(_name))
 
 NOT_SUPPORTED = tuple(compat.NOT_SUPPORTED)
-
-
-def _reshard(model: torch.nn.Module) -> None:
-    """Free every unsharded FSDP2 parameter of ``model`` (the state after an eval forward)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def prepare(*objects):

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
+import functools
 import warnings
 from typing import Optional
 
 import torch
 
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
+from hyperacc.runtime import env_flag, env_has_prefix, env_hidden, env_value
 
 CHECKPOINT_ENV_PREFIX = "HYPERACC_CHECKPOINT_"
 
@@ -49,23 +50,20 @@ def not_supported(name: str):
 @contextlib.contextmanager
 def accelerate_switches_off():
     """Hide the FSDP/DeepSpeed/parallelism switches from accelerate's __init__ (restored after)."""
-    saved = {name: os.environ.pop(name) for name in _ACCELERATE_SWITCHES if name in os.environ}
-    try:
+    with env_hidden(_ACCELERATE_SWITCHES):
         yield
-    finally:
-        os.environ.update(saved)
 
 
 def refuse_unsupported_plugins(*, deepspeed_plugin=None, deepspeed_plugins=None, megatron_lm_plugin=None,
                                torch_tp_plugin=None) -> None:
     """One clear error per accelerate backend hyperacc replaces, before any process group exists."""
     if deepspeed_plugin is not None or deepspeed_plugins is not None or \
-            os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            env_flag("ACCELERATE_USE_DEEPSPEED"):
         raise NotImplementedError(
             "deepspeed_plugin: DeepSpeed is not supported by hyperacc, which shards with FSDP2. Drop the "
             "DeepSpeed plugin/config (ZeRO-3 ~ FSDPConfig(reshard_after_forward=True), offload ~ "
             "FSDPConfig(cpu_offload=True)), or use accelerate.Accelerator for DeepSpeed.")
-    if megatron_lm_plugin is not None or os.environ.get("ACCELERATE_USE_MEGATRON_LM", "false").lower() == "true":
+    if megatron_lm_plugin is not None or env_flag("ACCELERATE_USE_MEGATRON_LM"):
         raise NotImplementedError("megatron_lm_plugin: Megatron-LM training is not supported by hyperacc; "
                                   "use ParallelConfig for its mesh and FSDP2.")
     if torch_tp_plugin is not None:
@@ -135,7 +133,7 @@ def parallel_config_from_accelerate(config) -> ParallelConfig:
 
 def warn_dynamo(dynamo_backend=None, dynamo_plugin=None) -> None:
     backend = dynamo_backend if dynamo_backend is not None else getattr(dynamo_plugin, "backend", None)
-    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND") if backend is None else backend
+    backend = env_value("ACCELERATE_DYNAMO_BACKEND") if backend is None else backend
     if backend is not None and str(getattr(backend, "value", backend)).upper() not in ("NO", "NONE"):
         warnings.warn(f"dynamo_backend={backend!r}: hyperacc does not compile the model in prepare(); call "
                       "torch.compile on the model (or its blocks) yourself before prepare().")
@@ -171,7 +169,7 @@ def resolve_configs(*, parallel, fsdp, checkpoint, parallelism_config, fsdp_plug
 
 
 def checkpoint_env_given() -> bool:
-    return any(name.startswith(CHECKPOINT_ENV_PREFIX) for name in os.environ)
+    return env_has_prefix(CHECKPOINT_ENV_PREFIX)
 
 
 def mark_state_fsdp2(state, fsdp_plugin=None) -> None:
@@ -196,9 +194,34 @@ def check_no_stale_state(world_size: int) -> None:
     If it was built without this job's processes, every accelerate collective would be a no-op."""
     import accelerate
 
-    state = accelerate.PartialState._shared_state
+    state = accelerate.PartialState._shared_state  # private: PartialState exposes no "already initialised" query
     if state and state.get("num_processes", world_size) != world_size:
         raise RuntimeError(
             f"accelerate's PartialState was created before hyperacc.Accelerator and sees "
             f"{state.get('num_processes')} process(es) in a job of {world_size}. Create the Accelerator "
             "first (or pass cpu=True to PartialState on a CPU-only machine).")
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every unsharded FSDP2 parameter of ``model``: a forward without backward (evaluation)
+    leaves FSDP2 units unsharded, and a state dict read then would alias storage FSDP frees later."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def add_script_conveniences(model: torch.nn.Module, accelerator) -> None:
+    """What scripts written for accelerate call on the prepared model itself: DDP's
+    `model.no_sync()`, and `save_pretrained` (transformers would write the DTensor shards as they
+    are; it gets the full weights, gathered on the main process, instead)."""
+    model.no_sync = functools.partial(accelerator.no_sync, model)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained = functools.partial(_save_pretrained_full, model, accelerator)
+
+
+def _save_pretrained_full(model, accelerator, *args, state_dict=None, **kwargs):
+    if state_dict is None:
+        state_dict = accelerator.get_state_dict(model)
+    return type(model).save_pretrained(model, *args, state_dict=state_dict, **kwargs)
