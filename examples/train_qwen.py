@@ -201,8 +201,8 @@ def train(cfg, tokenizer):
     import torch
 
     import hyperacc
-    from hyperacc.metrics import MetricsLogger, PeriodicCleanup, StepTimer
-    from hyperacc.training import StepChecks, evaluate, lr_lambda_scheduler, param_groups
+    from hyperacc.metrics import MetricsLogger, PeriodicCleanup
+    from hyperacc.training import NonFiniteError, StepChecks, TokenIdError, evaluate, lr_lambda_scheduler, param_groups
 
     t = cfg.training
     validate = t.mode == "validate"
@@ -235,53 +235,51 @@ def train(cfg, tokenizer):
                             max_steps=t.max_steps, initial_step=acc.progress.global_step,
                             group=acc.runtime.cpu_group, device_type=acc.runtime.device_type,
                             consumed_tokens=acc.progress.consumed_tokens,
-                            consumed_samples=acc.progress.consumed_samples)
+                            consumed_samples=acc.progress.consumed_samples, flush_on=(NonFiniteError, TokenIdError))
     cleanup = PeriodicCleanup(t.gc_steps, t.empty_cache_steps, acc.runtime.device_type)
-    timer = StepTimer(acc.runtime.device_type)
     checks = StepChecks(acc, validate=validate)   # non-finite steps stop the job in both modes
     max_norm = t.gradient_clipping or float("inf")
-    eval_bs = cfg.eval.eval_batch_size or t.micro_batch_size
+    eval_every = cfg.eval.eval_steps if eval_ds is not None else 0
 
     def run_eval(step):
-        result = evaluate(acc, model, eval_ds, batches=cfg.eval.eval_batches, batch_size=eval_bs)
+        result = evaluate(acc, model, eval_ds, batches=cfg.eval.eval_batches,
+                          batch_size=cfg.eval.eval_batch_size or t.micro_batch_size)
         metrics.log_eval(step=step, loss=result["loss"])
 
     # The loop: one loader item = the micro-batches of one optimizer step.
     step = acc.progress.global_step
     acc.wait_for_everyone()                    # step 1's time must not include another rank's start-up
-    while step < t.max_steps and loader.epoch < t.epochs:
-        epoch = loader.epoch
-        for batch in loader:
-            timer.start()
-            with acc.accumulate(model, batch) as micro_batches:   # token ids checked here, on every rank
-                for i, mb in enumerate(micro_batches):
-                    outputs = model(**mb)
-                    checks.watch_loss(outputs.loss, i)
-                    acc.backward(outputs.loss, aux_loss=getattr(outputs, "aux_loss", None))
-            grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
-            checks.check(step + 1, lambda: acc.step_loss, grad_norm)      # NaN/Inf: stop before the update
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            step, stats = acc.progress.global_step, acc.accumulator
-            metrics.log_step(step=step, epoch=epoch, loss=lambda: acc.step_loss, grad_norm=grad_norm, lr=lr,
-                             step_time=timer.stop(), tokens=stats.step_tokens, samples=stats.step_samples,
-                             consumed_tokens=acc.progress.consumed_tokens, consumed_samples=acc.progress.consumed_samples,
-                             extra={"aux_loss": lambda: acc.step_aux_loss})
-            cleanup.maybe_run(step)
-            if eval_ds is not None and step % cfg.eval.eval_steps == 0:
-                run_eval(step)
-            acc.step_end()                     # saves per checkpoint.save_steps / save_epochs
-            if step >= t.max_steps:
-                break
+    with metrics:                              # flushes the buffered steps, also on a non-finite stop
+        metrics.start()
+        while step < t.max_steps and loader.epoch < t.epochs:
+            epoch = loader.epoch
+            for batch in loader:
+                with acc.accumulate(model, batch) as micro_batches:   # token ids checked here, on every rank
+                    for i, mb in enumerate(micro_batches):
+                        outputs = model(**mb)
+                        checks.watch_loss(outputs.loss, i)
+                        acc.backward(outputs.loss, aux_loss=getattr(outputs, "aux_loss", None))
+                grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
+                checks.check(step + 1, lambda: acc.step_loss, grad_norm)   # NaN/Inf: stop before the update
+                lr = optimizer.param_groups[0]["lr"]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+                step = acc.progress.global_step
+                metrics.log_step(step=step, epoch=epoch, grad_norm=grad_norm, lr=lr, **acc.accumulator.step_metrics())
+                cleanup.maybe_run(step)
+                if eval_every and step % eval_every == 0:
+                    run_eval(step)
+                if acc.step_end():                 # saved (checkpoint.save_steps / save_epochs): the
+                    metrics.flush()                # JSONL then holds every step the checkpoint holds
+                if step >= t.max_steps:
+                    break
 
-    if step < t.max_steps:
-        acc.print(f"the data ran out after training.epochs={t.epochs} epoch(s) of {len(loader)} steps: "
-                  f"stopped at step {step} < training.max_steps={t.max_steps}")
-    if eval_ds is not None and step % cfg.eval.eval_steps != 0:
-        run_eval(step)                         # the final evaluation
-    metrics.close()
+        if step < t.max_steps:
+            acc.print(f"the data ran out after training.epochs={t.epochs} epoch(s) of {len(loader)} steps: "
+                      f"stopped at step {step} < training.max_steps={t.max_steps}")
+        if eval_every and step % eval_every != 0:
+            run_eval(step)                         # the final evaluation
     cleanup.close()
     acc.end_training()                         # final save per the policy, process group down
 

@@ -16,8 +16,9 @@ environment when given None; ``mixed_precision="no"`` is an explicit "off".
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable, List, Optional
+
+from hyperacc.runtime import launch_env
 
 
 def unset(default, env: Optional[str] = None, parse: Optional[Callable[[str], object]] = None):
@@ -57,7 +58,7 @@ def _mixed_precision(text: str) -> Optional[str]:
 def resolve(config, env=None) -> None:
     """Fill, in place, every unset (None) field of ``config`` from ``env`` (default: the process
     environment), else from its default. The single precedence resolver of hyperacc."""
-    env = os.environ if env is None else env
+    env = launch_env(env)
     for field in dataclasses.fields(config):
         if getattr(config, field.name) is not None:
             continue

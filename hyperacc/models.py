@@ -102,11 +102,6 @@ def load_pretrained(path_or_id: str, *, accelerator=None, dtype=None):
                                                     attn_implementation="eager")
 
 
-@contextlib.contextmanager
 def _without_ram_efficient_loading():
-    saved = os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = saved
+    from hyperacc.runtime import env_hidden
+    return env_hidden(["FSDP_CPU_RAM_EFFICIENT_LOADING"])

@@ -7,6 +7,7 @@ FSDP2, DTensor and DCP follow the same code path as a multi-process job.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib
@@ -21,6 +22,38 @@ import torch.distributed as dist
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 DEVICE_ENV = "HYPERACC_DEVICE"
+
+
+# --------------------------------------------------------------------------- launch environment
+# The one module that touches the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, FSDP_*,
+# PARALLELISM_CONFIG_*, ACCELERATE_*, HYPERACC_*); the others ask these functions.
+def launch_env(env: Optional[Mapping[str, str]] = None) -> Mapping[str, str]:
+    """``env``, or the process environment."""
+    return os.environ if env is None else env
+
+
+def env_value(name: str, default: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    return launch_env(env).get(name, default)
+
+
+def env_flag(name: str, env: Optional[Mapping[str, str]] = None) -> bool:
+    """A boolean launcher variable ("1"/"true"/"yes", any case); unset = False."""
+    return str(launch_env(env).get(name, "false")).strip().lower() in ("1", "true", "yes")
+
+
+def env_has_prefix(prefix: str, env: Optional[Mapping[str, str]] = None) -> bool:
+    return any(name.startswith(prefix) for name in launch_env(env))
+
+
+@contextlib.contextmanager
+def env_hidden(names):
+    """Remove ``names`` from the process environment for the block (e.g. switches that would make
+    accelerate or transformers take over what hyperacc does), restored afterwards."""
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +113,7 @@ def detect_device_type(requested: Optional[str] = None, env: Optional[Mapping[st
     ``requested`` (or the HYPERACC_DEVICE variable) forces a type, and fails loudly if the
     machine cannot provide it instead of silently training somewhere else.
     """
-    env = os.environ if env is None else env
+    env = launch_env(env)
     requested = requested or env.get(DEVICE_ENV) or None
     if requested is not None:
         requested = requested.lower()
@@ -102,7 +135,7 @@ def detect_device_type(requested: Optional[str] = None, env: Optional[Mapping[st
 
 
 def detect_launcher(env: Optional[Mapping[str, str]] = None) -> str:
-    env = os.environ if env is None else env
+    env = launch_env(env)
     if any(key.startswith("ACCELERATE_") for key in env) and "RANK" in env:
         return "accelerate"
     if "TORCHELASTIC_RUN_ID" in env or "RANK" in env:
@@ -126,7 +159,7 @@ def die_with_launcher(env: Optional[Mapping[str, str]] = None) -> bool:
     handler. If the launcher died before the call (the worker was already adopted by init or a
     subreaper, which is not a Python process), the worker exits now. Returns True when armed.
     """
-    env = os.environ if env is None else env
+    env = launch_env(env)
     if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in env:
         return False
     import ctypes
@@ -155,7 +188,7 @@ def init_runtime(device_type: Optional[str] = None, timeout_s: int = 1800) -> Ru
     device_type = detect_device_type(device_type)
     backend = BACKENDS[device_type]
     launcher = detect_launcher()
-    env = os.environ
+    env = launch_env()
     local_rank = int(env.get("LOCAL_RANK", 0))
     _set_local_device(device_type, local_rank)
 

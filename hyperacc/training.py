@@ -21,7 +21,7 @@ from typing import List, Optional
 import torch
 
 from hyperacc.accumulation import count_label_tokens
-from hyperacc.runtime import collective_float_dtype
+from hyperacc.runtime import collective_float_dtype, env_value
 
 __all__ = ["param_groups", "lr_lambda_scheduler", "evaluate", "eval_batch_indices", "StepChecks",
            "NonFiniteError", "DisagreementError", "check_output_path", "check_dataset_path", "check_optimizer",
@@ -307,7 +307,7 @@ def raise_if_any_rank_failed(error: Optional[BaseException], *, group=None, what
     failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
     if not failed:
         return
-    if error is not None and os.environ.get("HYPERACC_DEBUG") == "1":
+    if error is not None and env_value("HYPERACC_DEBUG") == "1":
         raise error
     rank, message = failed[0]
     others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""

@@ -1,4 +1,5 @@
-"""Step metrics (hyperacc.metrics): JSONL sink, log cadence, resume, and a 2-rank gloo run."""
+"""Step metrics (hyperacc.metrics): JSONL sink (one record per optimizer step), log cadence, resume,
+and a 2-rank gloo run (one collective per logging step, none on the others)."""
 import gc
 import io
 import json
@@ -32,7 +33,7 @@ def test_single_process_jsonl_keys_and_values(tmp_path):
     assert [rec["step"] for rec in lines] == [1, 2, 3]
     for rec in lines:
         assert REQUIRED <= rec.keys()
-    assert lines == returned
+    assert lines == [records[0] for records in returned]
     last = lines[-1]
     assert last["loss"] == pytest.approx(1 / 3) and last["grad_norm"] == 2.0 and last["lr"] == 1e-4
     assert last["epoch"] == 1 and last["step_time"] == 0.5 and last["tokens_per_second"] == 128.0
@@ -68,12 +69,17 @@ def test_log_line_cadence_and_format(tmp_path):
     lines, path, evaluated = [], tmp_path / "m.jsonl", []
     with MetricsLogger(metrics_file=str(path), logging_steps=3, max_steps=7, progress_bar=False,
                        log_fn=lines.append) as logger:
-        returned = [logger.log_step(step=s, loss=lambda s=s: evaluated.append(s) or 1.0 / s, step_time=0.5,
+        returned = [logger.log_step(step=s, rank_shares={"loss": torch.tensor(1.0 / s)}, step_time=0.5 * s,
                                     tokens=64, samples=2, lr=[1e-4], grad_norm=torch.tensor(2.0)) for s in range(1, 8)]
     assert [line.split()[0] for line in lines] == ["step=3", "step=6", "step=7"]  # + the last step
-    assert evaluated == [3, 6, 7] and [r is None for r in returned] == [True, True, False, True, True, False, False]
-    assert [r["step"] for r in read_jsonl(path)] == [3, 6, 7] and read_jsonl(path)[-1]["consumed_tokens"] == 7 * 64
-    assert lines[0].startswith("step=3 loss=0.3333 lr=1.000e-04 grad_norm=2.0000 tokens/s=128.0")
+    assert [r and [rec["step"] for rec in r] for r in returned] == [None, None, [1, 2, 3], None, None, [4, 5, 6], [7]]
+    written = read_jsonl(path)       # one record per optimizer step, each with its own values
+    assert [r["step"] for r in written] == list(range(1, 8)) and written[-1]["consumed_tokens"] == 7 * 64
+    assert [r["loss"] for r in written] == pytest.approx([1.0 / s for s in range(1, 8)])
+    assert [r["step_time"] for r in written] == [0.5 * s for s in range(1, 8)]
+    assert [r["tokens_per_second"] for r in written] == pytest.approx([128.0 / s for s in range(1, 8)])
+    assert ["memory_rss_gib" in r for r in written] == [False, False, True, False, False, True, True]
+    assert lines[0].startswith("step=3 loss=0.3333 lr=1.000e-04 grad_norm=2.0000 tokens/s=42.7 step_time=1.500s")
 
 
 def test_progress_bar_and_eval_on_main_process_only(tmp_path):
@@ -93,7 +99,7 @@ def test_progress_bar_and_eval_on_main_process_only(tmp_path):
     other_bar, other_lines = io.StringIO(), []
     other = MetricsLogger(metrics_file=str(tmp_path / "other.jsonl"), is_main_process=False,
                           progress_file=other_bar, log_fn=other_lines.append, tensorboard_dir=str(tmp_path))
-    rec = other.log_step(step=1, loss=1.0, step_time=1.0, tokens=10)
+    rec, = other.log_step(step=1, loss=1.0, step_time=1.0, tokens=10)
     other.log_eval(step=1, loss=1.0)
     other.close()
     assert rec["tokens_per_second"] == 10.0  # the record is still computed and returned
@@ -139,19 +145,18 @@ def test_two_ranks_one_collective_max_step_time_global_tokens(tmp_path):
         # one collective per logging step (2, 4 and the last, 5), none on the others
         assert result["calls"] == [[], ["all_gather"], [], ["all_gather"], ["all_gather"]]
     rec0, rec1 = ranks[0]["records"], ranks[1]["records"]
-    assert [r is None for r in rec0] == [True, False, True, False, False]
-    strip = lambda recs: [{k: v for k, v in r.items() if k != "time"} for r in recs if r]  # noqa: E731
-    assert strip(rec0) == strip(rec1)  # every rank returns the same record
-    windows = {2: (1, 2), 4: (3, 4), 5: (5,)}   # rank 1 (the slower) takes 0.2 * step seconds per step
-    for rec in strip(rec0):
-        seconds = sum(0.2 * s for s in windows[rec["step"]])
-        assert rec["step_time"] == pytest.approx(seconds / len(windows[rec["step"]]))
+    assert [r and [rec["step"] for rec in r] for r in rec0] == [None, [1, 2], None, [3, 4], [5]]
+    strip = lambda windows: [{k: v for k, v in r.items() if k != "time"} for w in windows if w for r in w]  # noqa: E731
+    assert strip(rec0) == strip(rec1)  # every rank returns the same records
+    for rec in strip(rec0):            # rank 1 (the slower) takes 0.2 * step seconds per step
+        assert rec["step_time"] == pytest.approx(0.2 * rec["step"])
+        assert rec["loss"] == pytest.approx(3.0 / rec["step"])   # rank shares 1/step and 2/step, summed
         assert rec["tokens"] == 300 and rec["samples"] == 3
-        assert rec["tokens_per_second"] == pytest.approx(300 * len(windows[rec["step"]]) / seconds)
+        assert rec["tokens_per_second"] == pytest.approx(300 / (0.2 * rec["step"]))
         assert rec["consumed_tokens"] == 300 * rec["step"]
     written = read_jsonl(metrics_file)
-    assert [r["step"] for r in written] == [2, 4, 5]  # one writer: rank 0
-    assert strip(written) == strip(rec0)
+    assert [r["step"] for r in written] == [1, 2, 3, 4, 5]  # one writer (rank 0), one record per step
+    assert strip([written]) == strip(rec0)
     assert [line.split()[0] for line in ranks[0]["lines"]] == ["step=2", "step=4", "step=5"]
     assert ranks[1]["lines"] == [] and ranks[1]["bar"] == ""
     assert "5/5" in ranks[0]["bar"]

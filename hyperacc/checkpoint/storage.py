@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 from hyperacc.checkpoint import _comm, containment, integrity
 
@@ -97,7 +97,8 @@ class SafeFileSystemReader(FileSystemReader):
     """FileSystemReader whose ``.metadata`` is read with a restricted unpickler."""
 
     def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
+        # FileSystemReader has no public accessor for its .metadata path (per-rank names included);
+        path = self._get_metadata_path(kwargs.get("rank"))  # private: read_metadata's own helper, see above
         with self.fs.create_stream(path, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
         if getattr(metadata, "storage_meta", None) is None:
@@ -134,7 +135,8 @@ class CheckpointLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         obj = load_weights_only(value, f"checkpoint item {read_item.dest_index.fqn!r}")
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
+            # DCP has no public setter for a flattened key; DefaultLoadPlanner.load_bytes uses this one.
+            from torch.distributed.checkpoint._traverse import set_element  # private: no public equivalent
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
@@ -177,8 +179,9 @@ class ReusableCpuStager(AsyncStager):
                 return _copy_into(state_dict, self._cache)
             except _StructureChanged:
                 self._cache = None
-        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
-        self._cache = StateDictStager(pin_memory=False, share_memory=False).stage(state_dict)
+        options = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                 use_non_blocking_copy=False)
+        self._cache = DefaultStager(options).stage(state_dict)
         return self._cache
 
     def synchronize_staging(self) -> None:

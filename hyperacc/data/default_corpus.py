@@ -32,6 +32,8 @@ import sysconfig
 import tempfile
 from typing import List, Optional, Sequence, Tuple
 
+from hyperacc.runtime import env_value
+
 __all__ = [
     "DEFAULT_MODULES",
     "DEFAULT_VOCAB_SIZE",
@@ -73,7 +75,7 @@ DEFAULT_MODULES = tuple(sorted((
 
 def default_cache_dir() -> str:
     """``$HYPERACC_CACHE`` if set, else ``~/.cache/hyperacc``."""
-    return os.environ.get("HYPERACC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hyperacc")
+    return env_value("HYPERACC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hyperacc")
 
 
 def _module_file(stdlib: str, name: str) -> Optional[str]:

@@ -296,10 +296,7 @@ class MicroBatchDataLoader:
             for _ in steps:
                 yield [check_batch(next(it)) for _ in range(mbps)]
         finally:
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-            del it
+            del it      # the last reference: the iterator's __del__ stops its worker processes now
 
     # ------------------------------------------------------------------ state
     def _fingerprint(self) -> dict:

@@ -336,7 +336,8 @@ def tokenize_dataset(ds, tokenizer, *, text_column: str = "text", num_proc: Opti
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         return {"input_ids": [x + [eos] for x in ids]}
 
-    fp = hashlib.sha256("|".join((ds._fingerprint, _tokenizer_fingerprint(tokenizer), text_column,
+    # datasets has no public accessor for a Dataset's fingerprint (the cache key its transforms chain on)
+    fp = hashlib.sha256("|".join((ds._fingerprint,  # private: see the line above _tokenizer_fingerprint(tokenizer), text_column,
                                   _PIPELINE_VERSION)).encode()).hexdigest()[:16]
     if num_proc is not None and num_proc <= 1:
         num_proc = None

@@ -40,7 +40,7 @@ def main():
     records, per_step_calls = [], []
     for step in range(1, 6):
         before = len(calls)
-        records.append(logger.log_step(step=step, epoch=0, loss=2.0 / step, grad_norm=1.0, lr=1e-3,
+        records.append(logger.log_step(step=step, epoch=0, rank_shares={"loss": (rank + 1.0) / step}, grad_norm=1.0, lr=1e-3,
                                        step_time=0.1 * (rank + 1) * step, tokens=300, samples=3))
         per_step_calls.append(calls[before:])
     logger.close()
