@@ -122,6 +122,17 @@ class GradientAccumulator:
         """Token-weighted MoE router aux loss of the last step (None unless passed to ``backward``)."""
         return self._reduce()[1]
 
+    def step_metrics(self) -> dict:
+        """The last step for ``MetricsLogger.log_step(**...)``: global ``tokens``/``samples`` (host ints)
+        and ``rank_shares``, this rank's loss (and aux loss) sum over the step's global tokens as device
+        tensors (no sync): their sum over all ranks is the step's mean, reduced on logging steps."""
+        stats = {"tokens": self.step_tokens, "samples": self.step_samples}
+        if self._loss_sum is not None:
+            scale = 1.0 / (max(self.step_tokens, 1) * self.same_tokens)
+            sums = {"loss": self._loss_sum, "aux_loss": self._aux_sum if self._aux_seen else None}
+            stats["rank_shares"] = {key: value * scale for key, value in sums.items() if value is not None}
+        return stats
+
     def _reduce(self):
         if self._reduced is None:
             if self._loss_sum is None:

@@ -130,6 +130,7 @@ def _full_size_copy(module: nn.Module) -> nn.Module:
         name: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
                                                   requires_grad=p.requires_grad)
         for name, p in module._parameters.items()}
+    # nn.Module's own dicts (private, no public way to give a shallow clone new parameters/buffers)
     clone._buffers = {name: None if b is None else torch.empty(b.shape, dtype=b.dtype)
                       for name, b in module._buffers.items()}
     return clone
@@ -184,10 +185,9 @@ def rank0_only_weights_expected() -> bool:
     """transformers' `from_pretrained` under an `accelerate launch` FSDP config with
     `fsdp_cpu_ram_efficient_loading` (the launcher's default) loads the weights on rank 0 only and
     leaves the model on the meta device elsewhere."""
-    import os
+    from hyperacc.runtime import env_flag
 
-    flag = lambda name: os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")  # noqa: E731
-    return flag("ACCELERATE_USE_FSDP") and flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
+    return env_flag("ACCELERATE_USE_FSDP") and env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
 
 
 def broadcast_from_rank0(model: nn.Module, device: torch.device, group=None) -> None:
