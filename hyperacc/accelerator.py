@@ -23,6 +23,7 @@ import torch
 from hyperacc import compat, parallel, weights
 from hyperacc import runtime as runtime_lib
 from hyperacc.accumulation import GradientAccumulator
+from hyperacc.launch_env import env_value
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
 from hyperacc.mesh import build_mesh
 from hyperacc.progress import Progress
@@ -72,7 +73,7 @@ class Accelerator(accelerate.Accelerator):
 
         # Validate the parallel sizes against the world, then start the process group: both before
         # accelerate builds its state, so that the state describes this job.
-        world = int(runtime_lib.env_value("WORLD_SIZE", "1"))
+        world = int(env_value("WORLD_SIZE", "1"))
         if torch.distributed.is_initialized():
             world = torch.distributed.get_world_size()
         self.parallel_config.resolved(world)

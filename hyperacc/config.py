@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, List, Optional
 
-from hyperacc.runtime import launch_env
+from hyperacc.launch_env import launch_env
 
 
 def unset(default, env: Optional[str] = None, parse: Optional[Callable[[str], object]] = None):

@@ -103,5 +103,5 @@ def load_pretrained(path_or_id: str, *, accelerator=None, dtype=None):
 
 
 def _without_ram_efficient_loading():
-    from hyperacc.runtime import env_hidden
+    from hyperacc.launch_env import env_hidden
     return env_hidden(["FSDP_CPU_RAM_EFFICIENT_LOADING"])

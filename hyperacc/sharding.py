@@ -185,7 +185,7 @@ def rank0_only_weights_expected() -> bool:
     """transformers' `from_pretrained` under an `accelerate launch` FSDP config with
     `fsdp_cpu_ram_efficient_loading` (the launcher's default) loads the weights on rank 0 only and
     leaves the model on the meta device elsewhere."""
-    from hyperacc.runtime import env_flag
+    from hyperacc.launch_env import env_flag
 
     return env_flag("ACCELERATE_USE_FSDP") and env_flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
 

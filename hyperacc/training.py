@@ -21,7 +21,8 @@ from typing import List, Optional
 import torch
 
 from hyperacc.accumulation import count_label_tokens
-from hyperacc.runtime import collective_float_dtype, env_value
+from hyperacc.launch_env import env_value
+from hyperacc.runtime import collective_float_dtype
 
 __all__ = ["param_groups", "lr_lambda_scheduler", "evaluate", "eval_batch_indices", "StepChecks",
            "NonFiniteError", "DisagreementError", "check_output_path", "check_dataset_path", "check_optimizer",

@@ -120,7 +120,7 @@ def test_data_failure_on_rank_0_is_every_ranks_one_line(tmp_path):
 
 
 def test_megatron_ids_beyond_the_vocab_stop_before_the_forward(tmp_path):
-    from hyperacc.data.megatron import IndexedDatasetWriter
+    from hyperacc.data.megatron_writer import IndexedDatasetWriter
 
     prefix = str(tmp_path / "wide_vocab")
     rng = np.random.default_rng(0)

@@ -8,7 +8,8 @@ import warnings
 import numpy as np
 import pytest
 
-from hyperacc.data.megatron import (IndexedDataset, IndexedDatasetError, IndexedDatasetWriter, optimal_dtype)
+from hyperacc.data.megatron import IndexedDataset, IndexedDatasetError, optimal_dtype
+from hyperacc.data.megatron_writer import IndexedDatasetWriter
 from hyperacc.data.packed import BlendedDataset, PackedDataset, TokenWindows, build_packed_dataset, holdout_cut
 
 

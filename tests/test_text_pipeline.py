@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hyperacc.data import default_corpus as dc
-from hyperacc.data.megatron import IndexedDatasetWriter
+from hyperacc.data.megatron_writer import IndexedDatasetWriter
 from hyperacc.data.packed import BlendedDataset, PackedDataset, TokenWindows
 from hyperacc.data.text import (build_text_dataset, build_train_dataset, flatten_tokens, load_text_dataset,
                                 load_tokenizer, tokenize_dataset)

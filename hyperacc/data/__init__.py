@@ -8,7 +8,7 @@ _EXPORTS = {
     "pad_collate": "hyperacc.data.collate",
     "build_train_dataset": "hyperacc.data.text",
     "IndexedDataset": "hyperacc.data.megatron",
-    "IndexedDatasetWriter": "hyperacc.data.megatron",
+    "IndexedDatasetWriter": "hyperacc.data.megatron_writer",
     "PackedDataset": "hyperacc.data.packed",
     "BlendedDataset": "hyperacc.data.packed",
 }

@@ -32,7 +32,8 @@ from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hyperacc.data.megatron import IndexedDatasetWriter, bin_path, idx_path, remove_stale_temp_files
+from hyperacc.data.megatron import bin_path, idx_path
+from hyperacc.data.megatron_writer import IndexedDatasetWriter, remove_stale_temp_files
 
 __all__ = ["convert", "main", "build_parser"]
 
@@ -137,7 +138,8 @@ def convert(input: str, output_prefix: str, *, tokenizer=None, name: Optional[st
 
     Arguments mirror the CLI flags. ``tokenizer`` may also be a tokenizer object.
     """
-    from hyperacc.data.text import _check_texts, load_text_dataset, load_tokenizer
+    from hyperacc.data.text import load_text_dataset, load_tokenizer
+    from hyperacc.data.text_files import check_texts
 
     output_prefix = os.fspath(output_prefix)
     if workers < 1:
@@ -155,7 +157,7 @@ def convert(input: str, output_prefix: str, *, tokenizer=None, name: Optional[st
         offset = 0
         for batch in column.iter(batch_size=batch_size):
             texts = batch[text_column]
-            _check_texts(texts, offset, text_column, f"{input!r}")  # ints/nulls: an error, not str(value)
+            check_texts(texts, offset, text_column, f"{input!r}")  # ints/nulls: an error, not str(value)
             offset += len(texts)
             yield texts
 

@@ -32,7 +32,7 @@ import sysconfig
 import tempfile
 from typing import List, Optional, Sequence, Tuple
 
-from hyperacc.runtime import env_value
+from hyperacc.launch_env import env_value
 
 __all__ = [
     "DEFAULT_MODULES",
@@ -214,7 +214,7 @@ def build_default_corpus(vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: Option
         tok = _train_tokenizer(documents, vocab_size)
         _write_tokenizer_dir(tok, tmp, model_max_length)
         eos_id = tok.token_to_id(EOS_TOKEN)
-        from hyperacc.data.megatron import IndexedDatasetWriter
+        from hyperacc.data.megatron_writer import IndexedDatasetWriter
 
         with IndexedDatasetWriter(os.path.join(tmp, "corpus"), vocab_size=tok.get_vocab_size()) as w:
             for enc in tok.encode_batch(list(documents), add_special_tokens=False):

@@ -27,6 +27,7 @@ import numpy as np
 from hyperacc.data.default_corpus import DEFAULT_VOCAB_SIZE
 from hyperacc.data.megatron import exists as megatron_exists, normalize_prefix, optimal_dtype
 from hyperacc.data.packed import TokenWindows, build_packed_dataset, parse_blend
+from hyperacc.data.text_files import FILE_BUILDERS as _FILE_BUILDERS, check_texts, diagnose_unreadable
 
 __all__ = [
     "build_train_dataset",
@@ -41,8 +42,6 @@ __all__ = [
 ]
 
 DEFAULT_HOLDOUT_FRACTION = 0.05
-_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text",
-                  ".parquet": "parquet", ".csv": "csv", ".tsv": "csv"}
 _PIPELINE_VERSION = "2"
 
 
@@ -165,92 +164,6 @@ class _HubSplits:
                              f"({e}); download it on a machine with network access") from e
 
 
-def _local_files(path: str, data_files=None) -> list:
-    """The local data files a spec names (for error messages), in a stable order."""
-    if data_files is not None:
-        specs = [data_files] if isinstance(data_files, (str, os.PathLike)) else (
-            [f for v in data_files.values() for f in ([v] if isinstance(v, str) else v)]
-            if isinstance(data_files, dict) else list(data_files))
-        return sorted(f for spec in specs for f in glob.glob(os.fspath(spec)))
-    if any(c in path for c in "*?["):
-        return sorted(glob.glob(path))
-    if os.path.isfile(path):
-        return [path]
-    if os.path.isdir(path):
-        return sorted(os.path.join(root, f) for root, _, names in os.walk(path) for f in names
-                      if os.path.splitext(f[:-3] if f.endswith(".gz") else f)[1].lower() in _FILE_BUILDERS)
-    return []
-
-
-def _open_bytes(path: str):
-    if path.endswith(".gz"):
-        import gzip
-
-        return gzip.open(path, "rb")
-    return open(path, "rb")
-
-
-def _first_bad_line(path: str) -> Optional[str]:
-    """What is wrong with a text/JSON Lines file, naming its line, or None if nothing is found."""
-    import json
-
-    ext = os.path.splitext(path[:-3] if path.endswith(".gz") else path)[1].lower()
-    if ext not in (".txt", ".text", ".jsonl", ".json"):
-        return None
-    with _open_bytes(path) as handle:
-        for number, raw in enumerate(handle, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                return (f"file {path!r} is not valid UTF-8: line {number} has byte 0x{raw[e.start]:02x} at column "
-                        f"{e.start + 1}. Fix: convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
-            if ext in (".jsonl", ".json") and line.strip():
-                try:
-                    json.loads(line.strip())
-                except ValueError as e:
-                    if ext == ".json" and number == 1:
-                        break  # a whole-file JSON document, not JSON Lines: checked below
-                    what = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
-                    return f"file {path!r} line {number} is not valid JSON ({what}). Fix: correct or remove that line"
-        else:
-            return None
-    try:  # a .json file holding one document
-        with _open_bytes(path) as handle:
-            json.loads(handle.read().decode("utf-8"))
-    except UnicodeDecodeError:
-        return f"file {path!r} is not valid UTF-8. Fix: convert the file to UTF-8"
-    except ValueError as e:
-        return f"file {path!r} is neither JSON Lines nor one JSON document ({e})"
-    return None
-
-
-def _diagnose_unreadable(path: str, data_files, err: BaseException) -> str:
-    """One line for a ``DatasetGenerationError``: the file and line that broke it when we can
-    find them, else the underlying error and the files involved."""
-    files = _local_files(path, data_files)
-    for f in files:
-        try:
-            problem = _first_bad_line(f)
-        except OSError as e:
-            problem = f"file {f!r} cannot be read ({e})"
-        if problem:
-            return f"dataset {path!r}: {problem}"
-    cause = err.__cause__ or err.__context__ or err
-    detail = " ".join(str(cause).split()) or type(cause).__name__
-    where = f" (files: {', '.join(files[:5])}{' ...' if len(files) > 5 else ''})" if files else ""
-    return f"dataset {path!r} cannot be read{where}: {type(cause).__name__}: {detail}"
-
-
-def _check_texts(texts, offset: int, text_column: str, source: str) -> None:
-    """Every value of the text column is a string: an int or a null is an error naming the row
-    (it would otherwise be tokenized as its repr or as an empty document)."""
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            raise ValueError(f"row {offset + i} of text column {text_column!r} in {source} is "
-                             f"{'null' if t is None else f'{type(t).__name__} {t!r}'}, not a string. Fix: drop or "
-                             f"convert such rows before converting/training (e.g. Dataset.filter)")
-
-
 def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = None, split: str = "train",
                       text_column: str = "text", holdout_fraction: float = DEFAULT_HOLDOUT_FRACTION,
                       data_files=None):
@@ -286,7 +199,7 @@ def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = No
         raise ValueError(f"dataset {path!r} not found ({e}). Pass a path to json/jsonl/text/parquet/csv files, "
                          f"a save_to_disk directory, or a hub name.") from e
     except datasets.exceptions.DatasetGenerationError as e:
-        raise ValueError(_diagnose_unreadable(path, data_files, e)) from e
+        raise ValueError(diagnose_unreadable(path, data_files, e)) from e
     except (StopIteration, IndexError) as e:  # what datasets raises on some empty inputs
         raise ValueError(f"dataset {path!r} is empty or unreadable ({type(e).__name__}: {e})") from e
     except ConnectionError as e:
@@ -332,7 +245,7 @@ def tokenize_dataset(ds, tokenizer, *, text_column: str = "text", num_proc: Opti
 
     def encode(batch, indices):
         texts = batch[text_column]
-        _check_texts(texts, indices[0] if len(indices) else 0, text_column, "the dataset")
+        check_texts(texts, indices[0] if len(indices) else 0, text_column, "the dataset")
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         return {"input_ids": [x + [eos] for x in ids]}
 
