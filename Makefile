@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hyperacc-installed
 
-.PHONY: demo test bench
+.PHONY: demo test test-all bench
 
 $(STAMP): setup.py
 	python3 -m venv $(VENV)
@@ -19,5 +19,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
+test-all: $(STAMP)   # also the slow set: every layout and resume case (~2x longer)
+	HF_HUB_OFFLINE=1 HYPERACC_SLOW_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider tests
+
 bench: $(STAMP)
-	for b in overhead dataloader checkpoint data train; do $(PY) benchmarks/$$b.py || exit 1; done
+	for b in overhead dataloader checkpoint data train accelerate_compat parallel weights context_parallel; do $(PY) benchmarks/$$b.py || exit 1; done

@@ -17,3 +17,23 @@ def hyperacc_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HYPERACC_CACHE", cache)
         yield cache
+
+
+# The default run (CI, `make test`) must finish in ~15 min on 2 cores. Tests marked
+# `@pytest.mark.slow` (more layouts of the same feature, long multi-process resumes) run with
+# HYPERACC_SLOW_TESTS=1 (`make test-all`).
+SLOW = os.environ.get("HYPERACC_SLOW_TESTS") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a further layout/case of a feature the default run already covers "
+                                       "(runs with HYPERACC_SLOW_TESTS=1)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if SLOW:
+        return
+    skip = pytest.mark.skip(reason="slow: run with HYPERACC_SLOW_TESTS=1 (make test-all)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
