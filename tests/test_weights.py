@@ -69,6 +69,7 @@ def test_load_two_processes_expert_parallel(models, tmp_path):
     assert "model.safetensors.index.json" in moe["export_files"]
 
 
+@pytest.mark.slow          # 1 and 2 processes run by default; the same loader at 4 in the slow set
 def test_load_four_processes(models, tmp_path):
     run_torchrun(CHECK, 4, ["--model", models / "moe_sharded", "--out", tmp_path / "r.json",
                             "--export", tmp_path / "exp"], timeout=300)

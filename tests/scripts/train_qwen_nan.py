@@ -46,8 +46,8 @@ def _plant(module, args, kwargs, output):
 _build = train_qwen.build_model
 
 
-def build_model(cfg, vocab_size=None):
-    model = _build(cfg, vocab_size)
+def build_model(cfg, vocab_size=None, **kwargs):
+    model = _build(cfg, vocab_size, **kwargs)
     model.register_forward_hook(_plant, with_kwargs=True)
     return model
 
