@@ -67,7 +67,7 @@ def _raw_loop(steps: int, warmup: int) -> float:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if index >= warmup:
             times.append(float(elapsed))
-            tokens.append(sum(mb["input_ids"].numel() for mb in batch) * world)
+            tokens.append(total)   # the step's valid label tokens over all ranks: what the example reports
     return sum(tokens) / sum(times)
 
 
