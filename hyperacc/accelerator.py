@@ -12,12 +12,11 @@ optimizers are rebound to the sharded parameters that `fully_shard` creates.
 from __future__ import annotations
 
 import contextlib
-import random
 import re
 from typing import Optional
 
 import accelerate
-import numpy as np
+from accelerate.utils import set_seed
 import torch
 
 from hyperacc import compat, parallel, weights
@@ -35,12 +34,6 @@ DEFAULT_SEED = 42
 
 def _is_scheduler(obj) -> bool:
     return hasattr(obj, "step") and hasattr(obj, "optimizer") and hasattr(obj, "get_last_lr")
-
-
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class Accelerator(accelerate.Accelerator):
@@ -93,7 +86,7 @@ class Accelerator(accelerate.Accelerator):
         compat.mark_state_fsdp2(self.state, fsdp_plugin)
         self._mesh = build_mesh(self.parallel_config, self.runtime.world_size, self.runtime.device_type)
         if seed is not None:
-            set_seed(self.seed)
+            set_seed(self.seed)         # accelerate's: python, numpy, torch and every accelerator
         self.accumulator = GradientAccumulator(
             device=self.device, dp_size=self._mesh.grad_ranks, group=self.runtime.cpu_group, fsdp=self.fsdp_config,
             on_sync_change=self._set_sync_gradients, same_tokens=self._mesh.same_tokens,
