@@ -69,15 +69,23 @@ class ResumableLoader:
         return {"torch": torch.get_rng_state(), "generator": generator.get_state() if generator is not None else None}
 
     def _replayed(self, batches, replay: dict):
-        """Start the epoch from the random state it had when it first began, then give the global
-        RNG back the state the checkpoint restored (the draws made at epoch start are in it)."""
-        restored = torch.get_rng_state()
+        """Start the epoch from the random state it had when it first began.
+
+        Mid-epoch, the checkpoint's RNG bucket restored a later global state (the epoch-start draws
+        are in it): the global RNG is set back for the epoch's first draws, then given that state
+        again. At an epoch boundary the restored global state *is* the epoch-start state: it is left
+        alone (resetting it after the draws would replay them). The sampler's own generator is not
+        in the RNG bucket: it is always restored here.
+        """
         start = replay.get("random_state") or {}
-        if start.get("torch") is not None:
-            torch.set_rng_state(start["torch"])
         generator = self._generator()
         if generator is not None and start.get("generator") is not None:
             generator.set_state(start["generator"])
+        if int(replay["batches"]) == 0 or start.get("torch") is None:
+            yield from batches
+            return
+        restored = torch.get_rng_state()
+        torch.set_rng_state(start["torch"])
         try:
             first = next(batches)
         except StopIteration:
