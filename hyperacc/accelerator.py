@@ -26,7 +26,7 @@ from hyperacc.launch_env import env_value
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
 from hyperacc.mesh import build_mesh
 from hyperacc.progress import Progress
-from hyperacc.sharding import broadcast_from_rank0, rank0_only_weights_expected, shard_model
+from hyperacc.sharding import broadcast_from_rank0, rank0_only_weights_expected, reshard, shard_model
 from hyperacc.wrappers import ParameterMap, PreparedScheduler, rebind_optimizer
 
 DEFAULT_SEED = 42
@@ -292,14 +292,14 @@ class Accelerator(accelerate.Accelerator):
         weights.save_model_sharded(model, save_directory, max_shard_size, safe_serialization, group=self.runtime.cpu_group)
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
-        """The user's own module (FSDP2 shards in place), resharded (see `compat.reshard`)."""
-        compat.reshard(model)
+        """The user's own module (FSDP2 shards in place), resharded (see `sharding.reshard`)."""
+        reshard(model)
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper,
                                     keep_torch_compile=keep_torch_compile)
 
     def get_state_dict(self, model, unwrap: bool = True):
-        """accelerate's (full weights on the main process's host), after `compat.reshard`."""
-        compat.reshard(model)
+        """accelerate's (full weights on the main process's host), after `sharding.reshard`."""
+        reshard(model)
         return super().get_state_dict(model, unwrap=unwrap)
 
     # ------------------------------------------------------------------ checkpoints
@@ -324,8 +324,6 @@ class Accelerator(accelerate.Accelerator):
         from hyperacc.checkpoint import TrainState
 
         self._sync_epoch()
-        for model in self._models:
-            compat.reshard(model)
         return TrainState(
             models=list(self._models), optimizers=[o.optimizer for o in self._optimizers],
             schedulers=[s.scheduler for s in self._schedulers], loader=self._train_loader,

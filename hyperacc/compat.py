@@ -202,16 +202,6 @@ def check_no_stale_state(world_size: int) -> None:
             "first (or pass cpu=True to PartialState on a CPU-only machine).")
 
 
-def reshard(model: torch.nn.Module) -> None:
-    """Free every unsharded FSDP2 parameter of ``model``: a forward without backward (evaluation)
-    leaves FSDP2 units unsharded, and a state dict read then would alias storage FSDP frees later."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
 def add_script_conveniences(model: torch.nn.Module, accelerator) -> None:
     """What scripts written for accelerate call on the prepared model itself: DDP's
     `model.no_sync()`, and `save_pretrained` (transformers would write the DTensor shards as they

@@ -207,3 +207,12 @@ def broadcast_from_rank0(model: nn.Module, device: torch.device, group=None) -> 
         model.to(device)
     for tensor in [*model.parameters(), *model.buffers()]:
         dist.broadcast(tensor.data, src=0, group=group)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every unsharded FSDP2 parameter of ``model``. A forward without backward (evaluation)
+    leaves FSDP2 units unsharded; a state dict read then would alias storage FSDP frees at the next
+    reshard. Every reader of a prepared model's weights (checkpoint, export, get_state_dict) calls it."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

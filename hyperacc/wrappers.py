@@ -10,6 +10,7 @@ import weakref
 from typing import Dict, Optional
 
 import torch
+from accelerate.state import GradientState
 
 
 class ParameterMap:
@@ -70,8 +71,6 @@ class PreparedScheduler:
         self._optimizers = optimizers
 
     def step(self, *args, **kwargs):
-        from accelerate.state import GradientState
-
         if not GradientState().sync_gradients or any(opt.step_was_skipped for opt in self._optimizers):
             return
         self.scheduler.step(*args, **kwargs)

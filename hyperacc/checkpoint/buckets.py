@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict)
 
 from hyperacc.checkpoint import _comm
+from hyperacc.sharding import reshard
 
 logger = logging.getLogger("hyperacc.checkpoint")
 
@@ -51,10 +52,12 @@ def optimizer_owner(models: List[nn.Module], index: int, n_optimizers: int) -> n
 
 
 def model_state(model: nn.Module, *, trainable_only: bool = False) -> dict:
+    reshard(model)
     return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
 
 
 def restore_model(model: nn.Module, state: dict, *, strict: bool) -> None:
+    reshard(model)
     set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
 
 

@@ -72,11 +72,9 @@ def export_sharded(model: nn.Module, out_dir: str, *, max_shard_bytes: int = DEF
     """Collective: every rank calls it; the files appear in ``out_dir`` all at once. Refuses an
     ``out_dir`` that holds files (``into_existing=True``: one that holds no weights, e.g. a
     tokenizer; the weights are moved in, index last). Returns ``out_dir``."""
-    from torch.distributed.fsdp import FSDPModule
+    from hyperacc.sharding import reshard
 
-    for module in model.modules():      # an eval forward leaves units unsharded: read the shards
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    reshard(model)      # an eval forward leaves units unsharded: read the shards
     out_dir = os.path.abspath(out_dir)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
