@@ -5,10 +5,11 @@ step: host numbers, device tensors as they are (no read), and the step's end tim
 on cuda/npu, ``perf_counter`` on CPU: no synchronisation). Every ``logging_steps`` (at ``max_steps``,
 before an evaluation record and on ``close``) the window is flushed: the device values are read in
 one go and the per-rank values go through ONE ``all_gather`` over ``group``; every rank then holds
-the same records, ONE PER OPTIMIZER STEP of the window. Rank 0 writes them to the sinks: one JSON
-object per step appended (and flushed) to ``metrics_file``, TensorBoard scalars when
-``tensorboard_dir`` is set; the console line ``step=N loss=... lr=... grad_norm=... tokens/s=...``
-and the tqdm bar show the logging step only.
+the same records, ONE PER OPTIMIZER STEP of the window. Rank 0 hands them to the sinks
+(``hyperacc.metrics_sinks``): one JSON object per step appended (and flushed) to ``metrics_file``,
+TensorBoard scalars when ``tensorboard_dir`` is set, the console line
+``step=N loss=... lr=... grad_norm=... tokens/s=...`` and the tqdm bar (logging step only), and
+any sink passed as ``sinks=``.
 
 Per step: ``step_time`` = the slowest rank's time from the previous step's end (or the last
 evaluation record) to this step's end, ``tokens_per_second`` = ``tokens`` / ``step_time``. ``loss``
@@ -25,21 +26,19 @@ Memory (on the logging step's record only): on cuda/npu ``memory_allocated_gib``
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import sys
 import time
-import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hyperacc.housekeeping import PeriodicCleanup, StepTimer, device_memory_gib
+from hyperacc.metrics_sinks import ConsoleSink, JsonlSink, MetricsSink, TensorBoardSink
 from hyperacc.runtime import collective_float_dtype, device_module
 
-__all__ = ["MetricsLogger", "StepTimer", "PeriodicCleanup", "device_memory_gib"]
+__all__ = ["MetricsLogger", "MetricsSink", "JsonlSink", "TensorBoardSink", "ConsoleSink", "StepTimer",
+           "PeriodicCleanup", "device_memory_gib"]
 
 # Memory values gathered with the window time (max over ranks; -1 = not available here).
 _MEMORY = ("memory_allocated_gib", "memory_reserved_gib", "max_memory_allocated_gib", "memory_rss_gib")
@@ -57,16 +56,6 @@ def _to_float(value) -> Optional[float]:
     if isinstance(value, (list, tuple)):  # e.g. scheduler.get_last_lr()
         return _to_float(value[0]) if value else None
     return float(value)
-
-
-def _format_number(value) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
-            return f"{value:.3e}"
-        return f"{value:.4f}"
-    return str(value)
 
 
 class _Clock:
@@ -124,6 +113,11 @@ class MetricsLogger:
     (a collective); other exceptions drop them (a lone failing rank must not hang the others).
     ``metrics_file`` is opened in append mode: on resume new records follow the old ones (after a
     crash a step may therefore appear twice; the last record of a step is the valid one).
+    Sinks (main process only): ``metrics_file`` -> ``JsonlSink``, ``tensorboard_dir`` ->
+    ``TensorBoardSink``, then ``ConsoleSink`` (``progress_bar``, ``progress_file``, ``log_fn``), then
+    ``sinks`` (objects with ``write(records, kind)``, optionally ``progress(step)`` and ``close()``,
+    see ``MetricsSink``). The logger owns them: ``close`` closes each once (``sinks`` on every rank,
+    as each rank was handed its own; they are written on the main process only).
     """
 
     def __init__(self, *, metrics_file: Optional[str] = None, logging_steps: int = 1,
@@ -131,7 +125,7 @@ class MetricsLogger:
                  max_steps: Optional[int] = None, initial_step: int = 0,
                  is_main_process: Optional[bool] = None, group=None, device_type: str = "cpu",
                  consumed_tokens: int = 0, consumed_samples: int = 0,
-                 progress_file=None, log_fn=None, flush_on: tuple = ()):
+                 progress_file=None, log_fn=None, flush_on: tuple = (), sinks: Sequence[Any] = ()):
         if logging_steps < 1:
             raise ValueError(f"logging_steps={logging_steps} must be >= 1")
         self.logging_steps = logging_steps
@@ -147,21 +141,16 @@ class MetricsLogger:
         if is_main_process is None:
             is_main_process = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
         self.is_main_process = bool(is_main_process)
-        self._log_fn = log_fn
-        self._file = None
-        self._bar = None
-        self._writer = None
-        if not self.is_main_process:
-            return
-        if metrics_file:
-            self._file = _open_append(metrics_file)
-        if tensorboard_dir:
-            self._writer = _summary_writer(tensorboard_dir)
-        if progress_bar:
-            from tqdm import tqdm
-            self._bar = tqdm(total=max_steps, initial=initial_step, desc="train", unit="step",
-                             dynamic_ncols=True, file=progress_file if progress_file is not None
-                             else sys.stderr)
+        self._given = list(sinks)       # closed on every rank, written on the main process only
+        self.sinks: List[Any] = []      # what the main process writes to, in order
+        if self.is_main_process:
+            if metrics_file:
+                self.sinks.append(JsonlSink(metrics_file))
+            if tensorboard_dir:
+                self.sinks.append(TensorBoardSink(tensorboard_dir))
+            self.sinks.append(ConsoleSink(progress_bar=progress_bar, max_steps=max_steps, initial_step=initial_step,
+                                          file=progress_file, log_fn=log_fn))
+            self.sinks.extend(self._given)
 
     # -- collective --------------------------------------------------------------------------
 
@@ -224,8 +213,10 @@ class MetricsLogger:
                            "samples": int(samples), "consumed_tokens": self.consumed_tokens,
                            "consumed_samples": self.consumed_samples})
         if step % self.logging_steps and step != self.max_steps:
-            if self._bar is not None and step > self._bar.n:
-                self._bar.update(step - self._bar.n)
+            for sink in self.sinks:
+                progress = getattr(sink, "progress", None)
+                if progress is not None:
+                    progress(step)
             return None
         return self.flush()
 
@@ -259,8 +250,7 @@ class MetricsLogger:
         records[-1].update({key: value for key, value in zip(_MEMORY, memory) if value >= 0})
         for record in records:
             record["time"] = time.time()
-            if self.is_main_process:
-                self._write(record, console=record is records[-1])
+        self._emit(records, "step")
         return records
 
     def log_eval(self, *, step: int, loss, extra: Optional[Dict[str, Any]] = None) -> dict:
@@ -276,13 +266,7 @@ class MetricsLogger:
         if extra:
             record.update(extra)
         record["time"] = time.time()
-        if self.is_main_process:
-            self._write_line(record)
-            if self._writer is not None:
-                self._writer.add_scalar("eval/loss", eval_loss, step)
-                self._writer.add_scalar("eval/ppl", ppl, step)
-            self._print(f"eval step={step} eval_loss={_format_number(eval_loss)} "
-                        f"eval_ppl={_format_number(ppl)}")
+        self._emit([record], "eval")
         self.start()
         return record
 
@@ -291,16 +275,18 @@ class MetricsLogger:
         if flush:
             self.flush()
         self._rows = []
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
-            self._writer = None
+        sinks = self.sinks if self.is_main_process else self._given   # the main process's include sinks=
+        self.sinks, self._given = [], []
+        error = None
+        for sink in sinks:              # each is closed once, even if another one fails
+            try:
+                close = getattr(sink, "close", None)
+                if close is not None:
+                    close()
+            except Exception as exc:    # noqa: BLE001  (re-raised below)
+                error = error or exc
+        if error is not None:
+            raise error
 
     def __enter__(self):
         return self
@@ -309,73 +295,6 @@ class MetricsLogger:
         self.close(flush=exc_type is None or (bool(self.flush_on) and issubclass(exc_type, self.flush_on)))
         return False
 
-    # -- sinks (main process) ----------------------------------------------------------------
-
-    def _print(self, line: str) -> None:
-        if self._log_fn is not None:
-            self._log_fn(line)
-        elif self._bar is not None:
-            self._bar.write(line, file=sys.stdout)
-            sys.stdout.flush()
-        else:
-            print(line, flush=True)
-
-    def _write_line(self, record: dict) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-
-    def _write(self, record: dict, console: bool = True) -> None:
-        step = record["step"]
-        self._write_line(record)
-        if self._writer is not None:
-            for key in ("loss", "grad_norm", "lr", "step_time", "tokens_per_second",
-                        "memory_allocated_gib", "memory_reserved_gib", "memory_rss_gib"):
-                if record.get(key) is not None:
-                    self._writer.add_scalar(f"train/{key}", record[key], step)
-        if not console:
-            return
-        if self._bar is not None:
-            self._bar.set_postfix(loss=_format_number(record["loss"]), lr=_format_number(record["lr"]),
-                                  tok_s=f"{record['tokens_per_second']:.0f}", refresh=False)
-            if step > self._bar.n:
-                self._bar.update(step - self._bar.n)
-            else:
-                self._bar.refresh()
-        self._print(f"step={step} loss={_format_number(record['loss'])} lr={_format_number(record['lr'])} "
-                    f"grad_norm={_format_number(record['grad_norm'])} tokens/s={record['tokens_per_second']:.1f} "
-                    f"step_time={record['step_time']:.3f}s")
-
-
-def _open_append(path: str):
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    # A process killed in the middle of a write may have left a partial last line: end it so the
-    # next record starts on its own line.
-    needs_newline = False
-    if os.path.exists(path) and os.path.getsize(path) > 0:
-        with open(path, "rb") as existing:
-            existing.seek(-1, os.SEEK_END)
-            needs_newline = existing.read(1) != b"\n"
-    handle = open(path, "a", encoding="utf-8")
-    if needs_newline:
-        handle.write("\n")
-        handle.flush()
-    return handle
-
-
-_TB_WARNED = False
-
-
-def _summary_writer(log_dir: str):
-    global _TB_WARNED
-    try:
-        import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        if not _TB_WARNED:
-            warnings.warn(f"tensorboard_dir={log_dir!r} is set but tensorboard is not installed; "
-                          "TensorBoard logging is off (pip install tensorboard).", stacklevel=3)
-            _TB_WARNED = True
-        return None
-    return SummaryWriter(log_dir=log_dir)
+    def _emit(self, records: List[dict], kind: str) -> None:
+        for sink in self.sinks:         # empty on the other ranks
+            sink.write(records, kind)

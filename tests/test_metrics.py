@@ -1,16 +1,19 @@
 """Step metrics (hyperacc.metrics): JSONL sink (one record per optimizer step), log cadence, resume,
-and a 2-rank gloo run (one collective per logging step, none on the others)."""
+custom and TensorBoard sinks, and a 2-rank gloo run (one collective per logging step, none on the
+others)."""
 import gc
 import io
 import json
 import math
+import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from dist_utils import run_torchrun
-from hyperacc.metrics import MetricsLogger, PeriodicCleanup, StepTimer, device_memory_gib
+from hyperacc.metrics import MetricsLogger, MetricsSink, PeriodicCleanup, StepTimer, device_memory_gib
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 REQUIRED = {"step", "epoch", "loss", "grad_norm", "lr", "step_time", "tokens_per_second"}
@@ -113,10 +116,87 @@ def test_tensorboard_missing_warns(tmp_path):
         pytest.skip("tensorboard installed")
     except ImportError:
         pass
-    import hyperacc.metrics as metrics
-    metrics._TB_WARNED = False
+    import hyperacc.metrics_sinks as metrics_sinks
+    metrics_sinks._TB_WARNED = False
     with pytest.warns(UserWarning, match="tensorboard is not installed"):
         MetricsLogger(tensorboard_dir=str(tmp_path / "tb"), progress_bar=False).close()
+
+
+class RecordingSink(MetricsSink):
+    def __init__(self):
+        self.writes, self.progressed, self.closed = [], [], 0
+
+    def write(self, records, kind):
+        self.writes.append((kind, [dict(record) for record in records]))
+
+    def progress(self, step):
+        self.progressed.append(step)
+
+    def close(self):
+        self.closed += 1
+
+
+def test_custom_sink_gets_what_the_jsonl_file_gets(tmp_path):
+    path, sink, lines = tmp_path / "m.jsonl", RecordingSink(), []
+    with MetricsLogger(metrics_file=str(path), logging_steps=2, max_steps=5, progress_bar=False,
+                       log_fn=lines.append, sinks=[sink]) as logger:
+        run_steps(logger, range(1, 4))
+        logger.log_eval(step=3, loss=1.0)
+        run_steps(logger, [4, 5])
+    assert sink.closed == 1
+    logger.close()                   # a second close closes nothing again
+    assert sink.closed == 1
+    assert [kind for kind, _ in sink.writes] == ["step", "step", "eval", "step", "step"]
+    assert [[r["step"] for r in records] for _, records in sink.writes] == [[1, 2], [3], [3], [4], [5]]
+    assert [r for _, records in sink.writes for r in records] == read_jsonl(path)  # same steps, same values
+    assert sink.progressed == [1, 3]  # the steps that flush nothing
+    assert [line.split()[0] for line in lines] == ["step=2", "step=3", "eval", "step=4", "step=5"]
+
+
+def test_sinks_only_write_on_the_main_process_and_need_only_write(tmp_path):
+    class WriteOnly:                 # no progress(), no close(): still a sink
+        def __init__(self):
+            self.records = []
+
+        def write(self, records, kind):
+            self.records += records
+
+    plain, other = WriteOnly(), RecordingSink()
+    with MetricsLogger(progress_bar=False, log_fn=lambda line: None, sinks=[plain]) as logger:
+        run_steps(logger, [1, 2])
+    assert [r["step"] for r in plain.records] == [1, 2]
+    with MetricsLogger(is_main_process=False, progress_bar=False, sinks=[other]) as logger:
+        run_steps(logger, [1, 2])
+        logger.log_eval(step=2, loss=1.0)
+    assert other.writes == [] and other.progressed == [] and other.closed == 1
+
+
+def test_tensorboard_sink_scalars(tmp_path, monkeypatch):
+    scalars = []
+
+    class FakeWriter:
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, tag, value, step):
+            scalars.append((tag, value, step))
+
+        def flush(self):
+            scalars.append("flush")
+
+        def close(self):
+            scalars.append("close")
+
+    monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard",
+                        types.SimpleNamespace(SummaryWriter=FakeWriter))
+    with MetricsLogger(tensorboard_dir=str(tmp_path / "tb"), progress_bar=False, log_fn=lambda line: None) as logger:
+        run_steps(logger, [1])
+        logger.log_eval(step=1, loss=math.log(8.0))
+    tags = [s[0] for s in scalars if isinstance(s, tuple)]
+    assert tags[:5] == ["train/loss", "train/grad_norm", "train/lr", "train/step_time", "train/tokens_per_second"]
+    assert "train/memory_rss_gib" in tags and scalars[-2:] == ["flush", "close"]
+    assert scalars[-4:-2] == [("eval/loss", math.log(8.0), 1), ("eval/ppl", pytest.approx(8.0), 1)]
 
 
 def test_periodic_cleanup_and_timer(monkeypatch):
