@@ -237,7 +237,8 @@ def train(cfg, tokenizer):
                             consumed_tokens=acc.progress.consumed_tokens,
                             consumed_samples=acc.progress.consumed_samples, flush_on=(NonFiniteError, TokenIdError))
     cleanup = PeriodicCleanup(t.gc_steps, t.empty_cache_steps, acc.runtime.device_type)
-    checks = StepChecks(acc, validate=validate)   # non-finite steps stop the job in both modes
+    # Non-finite steps stop the job: checked on logging steps and before every save (validate: every step).
+    checks = StepChecks(acc, validate=validate, check_every=log.logging_steps)
     max_norm = t.gradient_clipping or float("inf")
     eval_every = cfg.eval.eval_steps if eval_ds is not None else 0
 
@@ -260,7 +261,7 @@ def train(cfg, tokenizer):
                         checks.watch_loss(outputs.loss, i)
                         acc.backward(outputs.loss, aux_loss=getattr(outputs, "aux_loss", None))
                 grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
-                checks.check(step + 1, lambda: acc.step_loss, grad_norm)   # NaN/Inf: stop before the update
+                checks.check(step + 1, lambda: acc.step_loss, grad_norm)   # no host read between checks
                 lr = optimizer.param_groups[0]["lr"]
                 optimizer.step()
                 scheduler.step()
@@ -275,6 +276,7 @@ def train(cfg, tokenizer):
                 if step >= t.max_steps:
                     break
 
+        checks.verify()                            # the steps since the last check
         if step < t.max_steps:
             acc.print(f"the data ran out after training.epochs={t.epochs} epoch(s) of {len(loader)} steps: "
                       f"stopped at step {step} < training.max_steps={t.max_steps}")

@@ -311,6 +311,10 @@ class Accelerator(accelerate.Accelerator):
                                               cpu_group=self.runtime.cpu_group)
         return self._checkpointer
 
+    def add_save_guard(self, guard) -> None:
+        """``guard()`` runs on every rank before each checkpoint save; raising stops the save."""
+        self._get_checkpointer().save_guards.append(guard)
+
     def set_run_config(self, text: Optional[str]) -> None:
         """The run's config (YAML text): saved in every checkpoint, and as ``<checkpoint_dir>/config.yaml``
         once a resume was accepted. Call before `load_state`/`save_state`."""

@@ -3,8 +3,8 @@
 * :func:`param_groups` - AdamW groups without weight decay on norms, biases (and other 1-D tensors);
 * :func:`lr_lambda_scheduler` - warm-up + cosine/linear/constant decay as a ``LambdaLR``;
 * :func:`evaluate` - mean token loss and perplexity over a fixed number of held-out batches;
-* :class:`StepChecks` - non-finite loss / gradient norm stops the job (both modes) and, in
-  ``training.mode=validate``, cross-rank agreement checks;
+* :class:`StepChecks` (from :mod:`hyperacc.step_checks`) - non-finite loss / gradient norm stops
+  the job (both modes) and, in ``training.mode=validate``, cross-rank agreement checks;
 * fail-closed checks made before the process group or the model exist (:func:`check_output_path`,
   :func:`check_dataset_path`, :func:`check_optimizer`, :func:`check_model_config`) and after it
   (:func:`raise_if_any_rank_failed`): every rank raises the same
@@ -23,6 +23,7 @@ import torch
 from hyperacc.accumulation import count_label_tokens
 from hyperacc.launch_env import env_value
 from hyperacc.runtime import collective_float_dtype
+from hyperacc.step_checks import DisagreementError, NonFiniteError, StepChecks  # noqa: F401 - re-exported
 
 __all__ = ["param_groups", "lr_lambda_scheduler", "evaluate", "eval_batch_indices", "StepChecks",
            "NonFiniteError", "DisagreementError", "check_output_path", "check_dataset_path", "check_optimizer",
@@ -108,84 +109,6 @@ def evaluate(acc, model, dataset, *, batches: int, batch_size: int, collate_fn=N
     except OverflowError:
         ppl = float("inf")
     return {"loss": mean, "ppl": ppl, "tokens": int(total_tokens)}
-
-
-# ---------------------------------------------------------------------------------- non-finite steps
-class NonFiniteError(FloatingPointError):
-    """A loss or gradient norm became NaN/Inf: the step is not applied and nothing is saved."""
-
-
-class DisagreementError(RuntimeError):
-    """Values that must be identical on every rank differ (validate mode)."""
-
-
-class StepChecks:
-    """Non-finite steps stop the job, in both modes; ``validate`` adds cross-rank agreement.
-
-    Usage per step: ``watch_loss(loss, micro_batch_index)`` for every micro-batch (local, no
-    collective, no device sync), then ``check(step, step_loss, grad_norm)`` once, after the gradient
-    norm and BEFORE ``optimizer.step()`` and any save.
-
-    * production: the step loss and the gradient norm are global (reduced over the ranks), so every
-      rank takes the same decision without a collective; only when one of them is NaN/Inf do the
-      ranks exchange which of them saw a non-finite micro-batch loss (one all_gather) and all raise
-      the same :class:`NonFiniteError` naming the step and the rank(s). The optimizer never steps
-      on that gradient and the step is never saved, so LATEST stays at the last finite checkpoint.
-    * validate: the same exchange every step, plus a check that the step loss and the gradient
-      norm are bit-identical on every rank (:class:`DisagreementError`).
-    """
-
-    def __init__(self, acc, validate: bool, rtol: float = 0.0):
-        self.acc = acc
-        self.validate = validate
-        self.rtol = rtol
-        self._losses: List[torch.Tensor] = []
-
-    def watch_loss(self, loss: torch.Tensor, micro_batch: int) -> None:
-        del micro_batch  # the position in the list is the micro-batch index
-        self._losses.append(loss.detach().reshape(()))
-
-    def _first_bad(self):
-        """(index, value) of this rank's first non-finite micro-batch loss, or (-1, 0.0)."""
-        for index, loss in enumerate(self._losses):
-            value = float(loss)
-            if not math.isfinite(value):
-                return index, value
-        return -1, 0.0
-
-    def check(self, step: int, step_loss, grad_norm) -> None:
-        """``step_loss``: a float or a zero-argument callable (read only when needed: production reads
-        just the global gradient norm, one scalar, since a non-finite loss makes it non-finite too)."""
-        norm = float(grad_norm.detach() if torch.is_tensor(grad_norm) else grad_norm)
-        if not self.validate and math.isfinite(norm):
-            self._losses.clear()
-            return
-        step_loss = step_loss() if callable(step_loss) else step_loss
-        loss = float("nan") if step_loss is None else float(step_loss)
-        bad_index, bad_value = self._first_bad()
-        self._losses.clear()
-        local = torch.tensor([float(bad_index), bad_value, loss, norm], dtype=torch.float64)
-        dtype = collective_float_dtype(self.acc.runtime.backend)
-        table = self.acc.gather(local.to(self.acc.device, dtype)).reshape(-1, 4).cpu().double()
-        what = (" Nothing of this step was applied or saved (LATEST is the last finite checkpoint). Fix: "
-                "lower optimizer.lr or enable training.gradient_clipping, check the data; resume with "
-                "--checkpoint.restore_from=LATEST.")
-        bad = [(rank, int(row[0]), float(row[1])) for rank, row in enumerate(table) if row[0] >= 0]
-        if bad:
-            where = ", ".join(f"rank {r} micro-batch {m} (loss {v})" for r, m, v in bad)
-            raise NonFiniteError(f"non-finite loss at step {step} on {where}.{what}")
-        for rank, row in enumerate(table):
-            if not math.isfinite(float(row[3])):
-                raise NonFiniteError(f"non-finite gradient norm {float(row[3])} at step {step} on rank {rank}.{what}")
-            if not math.isfinite(float(row[2])):
-                raise NonFiniteError(f"non-finite step loss {float(row[2])} at step {step} on rank {rank}.{what}")
-        for column, name in ((2, "step loss"), (3, "gradient norm")):
-            ref = float(table[0, column])
-            for rank in range(1, table.shape[0]):
-                value = float(table[rank, column])
-                if abs(value - ref) > self.rtol * abs(ref):
-                    raise DisagreementError(f"validate mode: {name} differs across ranks at step {step}: "
-                                            f"rank 0 has {ref!r}, rank {rank} has {value!r}.")
 
 
 # ---------------------------------------------------------------------------------- fail closed, early

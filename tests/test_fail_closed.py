@@ -202,17 +202,27 @@ def test_sigkill_of_the_launcher_stops_the_workers(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_nan_in_production_never_becomes_latest(tmp_path):
+# (logging_steps, save_steps) -> (checkpoints kept, JSONL steps). Every step checked: the NaN step 3
+# stops before its update. Checked every 5 steps: the device record is read at the step-4 save (the
+# save guard), which names step 3; step 4 ran in memory on NaN weights, was logged, never saved.
+@pytest.mark.parametrize("logging_steps, save_steps, kept, logged", [
+    (1, 1, ["global_step_1", "global_step_2"], [1, 2]),
+    (5, 2, ["global_step_2"], [1, 2, 3, 4]),
+])
+def test_nan_in_production_never_becomes_latest(tmp_path, logging_steps, save_steps, kept, logged):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    proc = run_accelerate(NAN_SCRIPT, CPU2, [*QUIET, "--training.mode=production", "--training.max_steps=5",
+    proc = run_accelerate(NAN_SCRIPT, CPU2, [*QUIET, "--training.mode=production", "--training.max_steps=6",
                                              "--checkpoint.save_ckpt=true", f"--checkpoint.checkpoint_dir={ckpt}",
-                                             "--checkpoint.save_steps=1", f"--logging.metrics_file={metrics}"],
+                                             f"--checkpoint.save_steps={save_steps}", f"--logging.metrics_file={metrics}",
+                                             f"--logging.logging_steps={logging_steps}"],
                           env={"NAN_AT_STEP": "3", "NAN_RANK": "1"}, timeout=400, check=False)
-    assert proc.returncode != 0
+    assert proc.returncode != 0, proc.stderr[-4000:]
     expected = "error: non-finite loss at step 3 on rank 1 micro-batch 0 (loss nan)"
     assert proc.stderr.count(expected) == 2, proc.stderr[-4000:]        # the same line from both ranks
     assert (ckpt / "latest_checkpoint_iteration.txt").read_text().strip() == "2"
-    assert sorted(p.name for p in ckpt.glob("global_step_*")) == ["global_step_1", "global_step_2"]
+    assert sorted(p.name for p in ckpt.glob("global_step_*")) == kept
     import json
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
-    assert steps == [1, 2]
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if '"loss"' in line]
+    assert [r["step"] for r in records] == logged
+    assert all(r["loss"] == r["loss"] for r in records if r["step"] < 3)          # finite before the NaN
+    assert all(r["loss"] != r["loss"] for r in records if r["step"] >= 3)         # NaN from it on

@@ -1,10 +1,11 @@
-"""Issue 12: no host synchronisation on a non-logging step of the example beyond the two it needs.
+"""Issue 12: no host synchronisation on a non-logging step of the example beyond the one it needs.
 
 tests/scripts/count_host_syncs.py runs examples/train_qwen.py with tensor reads and torch.distributed
 collectives counted per optimizer step (see its docstring for what counts). Per non-logging step:
-* one read: ``float(grad_norm)`` in ``StepChecks.check``, the deliberate one: a non-finite gradient
-  norm must stop the job BEFORE ``optimizer.step()`` (issue 10), which needs its value on the host;
-* one host collective on 2 processes (none on 1): the accumulator's step-statistics all_gather.
+* no read of a device/float tensor at all: the non-finite guard (``StepChecks``) folds the gradient
+  norm's verdict into device scalars and reads them on logging steps and before saves only;
+* one host collective on 2 processes (none on 1): the accumulator's step-statistics all_gather of
+  host integers (the token count the loss scaling needs; no device work).
 Per logging step: at most 2 host collectives beyond that one (the metrics window takes one).
 """
 import json
@@ -17,20 +18,18 @@ SCRIPT = REPO / "tests" / "scripts" / "count_host_syncs.py"
 CPU2 = REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
 ARGS = ["--training.max_steps=6", "--logging.logging_steps=3", "--eval.eval_steps=0", "--checkpoint.save_ckpt=false",
         "--logging.progress_bar=false"]
-GRAD_NORM_READ = "__float__ hyperacc/training.py"
 
 
 def _check(steps, per_step_collectives):
     assert [(s["step"], s["logging"]) for s in steps] == [(n, n % 3 == 0) for n in range(1, 7)]
     for s in steps:
-        others = [r for r in s["reads"] if not r.startswith(GRAD_NORM_READ)]
-        assert len(s["reads"]) - len(others) == 1, s          # the non-finite guard's read, every step
         stats = [c for c in s["host_collectives"] if "hyperacc/accumulation.py" in c]
         assert len(stats) == per_step_collectives, s
         if not s["logging"]:
-            assert others == [] and len(s["host_collectives"]) == per_step_collectives, s
+            assert s["reads"] == [] and len(s["host_collectives"]) == per_step_collectives, s
         else:
             assert len(s["host_collectives"]) - per_step_collectives <= 2, s
+    assert any(s["reads"] for s in steps if s["logging"])   # the counter sees reads: the flush reads values
 
 
 def test_one_process(tmp_path):

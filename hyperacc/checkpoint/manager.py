@@ -83,6 +83,7 @@ class Checkpointer:
         self._last_saved_path: Optional[str] = None
         self.last_save_timings: dict = {}   # seconds the caller was blocked, by phase
         self.last_load_timings: dict = {}
+        self.save_guards: list = []         # called on every rank before each save; raising stops it
 
     # ------------------------------------------------------------------ public API
     def lock(self) -> None:
@@ -147,6 +148,8 @@ class Checkpointer:
         in CPU memory. Returns the directory, or None when it already held a complete checkpoint
         (never overwritten).
         """
+        for guard in self.save_guards:      # e.g. StepChecks.verify: a non-finite step is never saved
+            guard()
         self.wait()
         start = time.perf_counter()
         cfg = self.config
