@@ -2,28 +2,24 @@
 
 Precedence, lowest first: dataclass default <- ``accelerate launch`` environment (FSDP_*,
 PARALLELISM_CONFIG_*, ACCELERATE_MIXED_PRECISION, HYPERACC_PARALLEL_EP_SIZE, HYPERACC_CHECKPOINT_*)
-<- explicit value (a constructor argument, or a YAML/CLI value through ``hyperacc.cli_config``).
-
-How "explicit" is known without recording constructor calls: every field is declared ``None`` =
-*unset* (as accelerate's own FSDP plugin does) and ``__post_init__`` resolves the unset ones, once,
-from the environment, else from the documented default (``unset(default)``). A constructed config
-is therefore complete, and the layering is exact field by field: ``FSDPConfig(reshard_after_forward=
-True)`` beats ``FSDP_RESHARD_AFTER_FORWARD=false`` even though True is the default. Resolution is
-idempotent (a complete config passed on, copied or rebuilt keeps its values). Fields whose
-resolved value may itself be None (``mixed_precision``, ``wrap_classes``, ``restore_from``) take the
-environment when given None; ``mixed_precision="no"`` is an explicit "off".
+<- explicit value (a constructor argument, or YAML/CLI through ``hyperacc.cli_config``). Every field is
+declared ``None`` = *unset* (as accelerate's FSDP plugin does) and ``__post_init__`` resolves the unset
+ones once, so explicit beats the environment field by field even where it equals the default, with no
+record of constructor calls, and resolving again changes nothing. A field whose value may be None
+(``mixed_precision``, ``wrap_classes``, ``restore_from``) takes the environment when given None;
+``mixed_precision="no"`` is an explicit "off".
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 from hyperacc.launch_env import launch_env
 
 
-def unset(default, env: Optional[str] = None, parse: Optional[Callable[[str], object]] = None):
-    """A field that is None until resolved: from ``env`` (read with ``parse``) else ``default``."""
-    return dataclasses.field(default=None, metadata={"default": default, "env": env, "parse": parse})
+def unset(default, env: Optional[str] = None):
+    """A field that is None until resolved: from the environment variable ``env``, else ``default``."""
+    return dataclasses.field(default=None, metadata={"default": default, "env": env})
 
 
 def default_of(field: dataclasses.Field):
@@ -33,17 +29,16 @@ def default_of(field: dataclasses.Field):
     return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
-def parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"cannot read {text!r} as a boolean (use true/false)")
-
-
-def _optional_str(text: str) -> Optional[str]:
-    return None if text.strip().lower() in ("", "none", "null") else text.strip()
+def _from_env(text: str, default):
+    """An environment variable's text as the type of the field's default (None: text, or None if empty)."""
+    word = text.strip().lower()
+    if isinstance(default, bool):
+        if word not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+            raise ValueError(f"cannot read {text!r} as a boolean (use true/false)")
+        return word in ("1", "true", "yes", "on")
+    if isinstance(default, (int, str)):
+        return type(default)(text)
+    return None if word in ("", "none", "null") else text.strip()
 
 
 def _class_list(text) -> Optional[list]:
@@ -51,26 +46,17 @@ def _class_list(text) -> Optional[list]:
     return list(names) if names else None
 
 
-def _mixed_precision(text: str) -> Optional[str]:
-    return "no" if (_optional_str(text) or "no").lower() == "no" else text.strip()
-
-
-def resolve(config, env=None) -> None:
-    """Fill, in place, every unset (None) field of ``config`` from ``env`` (default: the process
-    environment), else from its default. The single precedence resolver of hyperacc."""
+def resolve(config, env=None, prefix: Optional[str] = None) -> None:
+    """Fill, in place, every unset (None) field of ``config`` from ``env`` (default: the process environment;
+    a field without a variable of its own reads ``prefix + NAME`` if given), else from its default."""
     env = launch_env(env)
     for field in dataclasses.fields(config):
         if getattr(config, field.name) is not None:
             continue
-        var, parse = field.metadata.get("env"), field.metadata.get("parse")
-        if var is None and type(config).__name__ == "CheckpointConfig":
-            var = f"HYPERACC_CHECKPOINT_{field.name.upper()}"
-            default = default_of(field)
-            parse = {bool: parse_bool, int: int, str: str}.get(type(default), _optional_str)
-        value = default_of(field)
+        value, var = default_of(field), field.metadata.get("env") or prefix and prefix + field.name.upper()
         if var and var in env:
             try:
-                value = parse(env[var])
+                value = _from_env(env[var], value)
             except ValueError as err:
                 raise ValueError(f"environment variable {var}={env[var]!r} is invalid: {err}") from None
         setattr(config, field.name, value)
@@ -84,11 +70,11 @@ class ParallelConfig:
     dp_replicate x efsdp x ep over the same ranks, with efsdp = dp_shard*cp*tp / ep.
     """
 
-    dp_replicate_size: Optional[int] = unset(1, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE", int)
-    dp_shard_size: Optional[int] = unset(-1, "PARALLELISM_CONFIG_DP_SHARD_SIZE", int)
-    cp_size: Optional[int] = unset(1, "PARALLELISM_CONFIG_CP_SIZE", int)
-    tp_size: Optional[int] = unset(1, "PARALLELISM_CONFIG_TP_SIZE", int)
-    ep_size: Optional[int] = unset(1, "HYPERACC_PARALLEL_EP_SIZE", int)
+    dp_replicate_size: Optional[int] = unset(1, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE")
+    dp_shard_size: Optional[int] = unset(-1, "PARALLELISM_CONFIG_DP_SHARD_SIZE")
+    cp_size: Optional[int] = unset(1, "PARALLELISM_CONFIG_CP_SIZE")
+    tp_size: Optional[int] = unset(1, "PARALLELISM_CONFIG_TP_SIZE")
+    ep_size: Optional[int] = unset(1, "HYPERACC_PARALLEL_EP_SIZE")
 
     def __post_init__(self):
         resolve(self)
@@ -139,16 +125,16 @@ class FSDPConfig:
     of only after the last one (fewer collectives).
     """
 
-    reshard_after_forward: Optional[bool] = unset(True, "FSDP_RESHARD_AFTER_FORWARD", parse_bool)
-    mixed_precision: Optional[str] = unset(None, "ACCELERATE_MIXED_PRECISION", _mixed_precision)
-    cpu_offload: Optional[bool] = unset(False, "FSDP_OFFLOAD_PARAMS", parse_bool)
-    activation_checkpointing: Optional[bool] = unset(False, "FSDP_ACTIVATION_CHECKPOINTING", parse_bool)
-    wrap_classes: Optional[List[str]] = unset(None, "FSDP_TRANSFORMER_CLS_TO_WRAP", _class_list)
+    reshard_after_forward: Optional[bool] = unset(True, "FSDP_RESHARD_AFTER_FORWARD")
+    mixed_precision: Optional[str] = unset(None, "ACCELERATE_MIXED_PRECISION")
+    cpu_offload: Optional[bool] = unset(False, "FSDP_OFFLOAD_PARAMS")
+    activation_checkpointing: Optional[bool] = unset(False, "FSDP_ACTIVATION_CHECKPOINTING")
+    wrap_classes: Optional[List[str]] = unset(None, "FSDP_TRANSFORMER_CLS_TO_WRAP")
     reduce_every_micro_batch: Optional[bool] = unset(False)
 
     def __post_init__(self):
         resolve(self)
-        if self.mixed_precision == "no":
+        if str(self.mixed_precision).lower() == "no":
             self.mixed_precision = None
         if self.mixed_precision not in (None, "bf16", "fp16"):
             raise ValueError(f"FSDPConfig.mixed_precision={self.mixed_precision!r} is not one of "
@@ -180,7 +166,7 @@ class CheckpointConfig:
     save_consolidated: Optional[str] = unset("none")
 
     def __post_init__(self):
-        resolve(self)
+        resolve(self, prefix="HYPERACC_CHECKPOINT_")
         if self.save_consolidated not in SAVE_CONSOLIDATED_CHOICES:
             raise ValueError(f"CheckpointConfig.save_consolidated={self.save_consolidated!r} must be "
                              f"one of {SAVE_CONSOLIDATED_CHOICES}.")

@@ -128,7 +128,7 @@ def test_yaml_errors(tmp_path):
         parse_config(TrainConfig, write(tmp_path, "optimiser:\n  lr: 0.1\n"), argv=[])
     with pytest.raises(ConfigError, match="Unknown field 'training.seeed'.*'seed'"):
         parse_config(TrainConfig, write(tmp_path, "training:\n  seeed: 1\n"), argv=[])
-    with pytest.raises(ConfigError, match="training.max_steps='ten'.*YAML file.*must be int"):
+    with pytest.raises(ConfigError, match="YAML file.*: training.max_steps must be int, got 'ten'"):
         parse_config(TrainConfig, write(tmp_path, "training:\n  max_steps: ten\n"), argv=[])
     with pytest.raises(ConfigError, match="does not exist"):
         parse_config(TrainConfig, tmp_path / "missing.yaml", argv=[])
@@ -224,10 +224,10 @@ def test_repeated_flag_duplicate_yaml_key_and_dashless_flag_are_config_errors(tm
         parse_config(TrainConfig, argv=["--training.max_steps", "2", "--training.max_steps=3"])
     # a key repeated in one YAML mapping (PyYAML alone keeps the last), naming both lines
     dup = write(tmp_path, "training:\n  max_steps: 2\n  seed: 1\n  max_steps: 3\n")
-    with pytest.raises(ConfigError, match=r"duplicate key 'max_steps' \(first given on line 2\).*line 4") as info:
+    with pytest.raises(ConfigError, match=r"duplicate key max_steps.*line 4") as info:
         parse_config(TrainConfig, dup, argv=[])
     assert "\n" not in str(info.value)
-    with pytest.raises(ConfigError, match="duplicate key 'a'"):  # inline YAML on the command line too
+    with pytest.raises(ConfigError, match="--model.overrides=.*duplicate key a"):  # inline YAML on the CLI too
         parse_config(TrainConfig, argv=["--model.overrides={a: 1, a: 2}"])
     # an override without dashes is reported as such, with the default YAML given or not
     for yaml_path in (None, write(tmp_path, "training:\n  seed: 1\n", "ok.yaml")):
