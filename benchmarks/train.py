@@ -1,15 +1,17 @@
 """Throughput of examples/train_qwen.py's training step vs a raw FSDP2 loop.
 
-    python benchmarks/train.py [--steps 20] [--warmup 5]
+    python benchmarks/train.py [--steps 20] [--warmup 5] [--rounds 3]
 
 CPU: starts itself on 2 processes (torchrun, gloo) and measures, on the same tiny Qwen3-MoE, data,
 global batch (8 x 128 tokens) and micro-batching (2 per rank):
   raw      - plain `fully_shard` per decoder layer + root, AdamW, token-mean loss by hand
              (one all-reduce of the token count, loss scaled per micro-batch), no_sync via
-             set_requires_gradient_sync, global-norm clipping;
+             set_requires_gradient_sync, global-norm clipping; step time measured as the example's
+             (from the previous step's end to this one's, data loading included; slowest rank);
   example  - examples/train_qwen.main() itself (production mode, no eval, no checkpoint),
              tokens/s from its JSONL (step_time = the slowest rank's);
-then prints tokens/s of each and the example/raw ratio (last).
+alternating raw, example, raw, ... (--rounds example runs); prints the median tokens/s of each and
+the example/raw ratio of the medians (last).
 GPU (when CUDA is available): tokens/s and MFU of the example on one GPU with a larger
 Qwen3-MoE in bf16 (peak FLOP/s from HYPERACC_PEAK_TFLOPS, default 989 = H100/H200 dense bf16);
 skipped with a message on a CPU-only machine.
@@ -48,10 +50,10 @@ def _raw_loop(steps: int, warmup: int) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     loader = MicroBatchDataLoader(dataset, global_batch_size=GBS, micro_batch_size=MBS, seed=42).bind(rank, world)
     times, tokens = [], []
-    for index, batch in enumerate(loader):
+    start = time.perf_counter()   # step time = previous step's end to this one's (data loading included),
+    for index, batch in enumerate(loader):    # the example's step_time definition
         if index == warmup + steps:
             break
-        start = time.perf_counter()
         local = torch.tensor([float(sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in batch))])
         dist.all_reduce(local)
         total = float(local)
@@ -63,12 +65,13 @@ def _raw_loop(steps: int, warmup: int) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if index >= warmup:
-            times.append(float(elapsed))
-            tokens.append(total)   # the step's valid label tokens over all ranks: what the example reports
-    return sum(tokens) / sum(times)
+        end = time.perf_counter()
+        times.append(end - start)
+        tokens.append(total)   # the step's valid label tokens over all ranks: what the example reports
+        start = end
+    slowest = torch.tensor(times[warmup:])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)   # per step, the slowest rank (as the example's JSONL)
+    return sum(tokens[warmup:]) / float(slowest.sum())
 
 
 def _example(steps: int, warmup: int, extra=()) -> tuple:
@@ -91,18 +94,20 @@ def _example(steps: int, warmup: int, extra=()) -> tuple:
 
 
 def worker(args) -> None:
+    import statistics
+
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    # raw before and after the example: on a shared machine the load drifts; the mean of the two
-    # raw runs brackets the example's run in time.
-    raw_before = _raw_loop(args.steps, args.warmup)
-    example, _ = _example(args.steps, args.warmup)      # the example reuses this process group
-    raw_after = _raw_loop(args.steps, args.warmup)
-    raw = (raw_before + raw_after) / 2
+    # On a shared machine the load drifts by more than the effect measured: alternate the two
+    # (raw, example, raw, example, ..., raw) and compare medians.
+    raw, example = [_raw_loop(args.steps, args.warmup)], []
+    for _ in range(args.rounds):
+        example.append(_example(args.steps, args.warmup)[0])   # the example reuses this process group
+        raw.append(_raw_loop(args.steps, args.warmup))
     if dist.get_rank() == 0:
-        print(json.dumps({"raw_tokens_per_s": raw, "raw_runs": [raw_before, raw_after],
-                          "example_tokens_per_s": example}), flush=True)
+        print(json.dumps({"raw_tokens_per_s": statistics.median(raw), "raw_runs": raw,
+                          "example_tokens_per_s": statistics.median(example), "example_runs": example}), flush=True)
     dist.destroy_process_group()
 
 
@@ -134,6 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="example runs, alternating with raw runs")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gpu-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -144,7 +150,7 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29731",
-           __file__, "--worker", f"--steps={args.steps}", f"--warmup={args.warmup}"]
+           __file__, "--worker", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--rounds={args.rounds}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     result = None
     for line in proc.stdout.splitlines():
@@ -158,9 +164,9 @@ def main() -> None:
     gpu_lines = [line for line in gpu_proc.stdout.splitlines() if line.startswith("GPU")]
     print(f"CPU, 2 processes, tiny Qwen3-MoE, {GBS} x {SEQ} tokens/step, micro-batch {MBS}, "
           f"{args.steps} timed steps after {args.warmup}:")
-    print(f"  raw FSDP2 loop      {result['raw_tokens_per_s']:10.0f} tokens/s  (mean of "
-          f"{result['raw_runs'][0]:.0f} before and {result['raw_runs'][1]:.0f} after the example)")
-    print(f"  example step        {result['example_tokens_per_s']:10.0f} tokens/s")
+    runs = lambda key: ", ".join(f"{v:.0f}" for v in result[key])  # noqa: E731
+    print(f"  raw FSDP2 loop      {result['raw_tokens_per_s']:10.0f} tokens/s  (median of {runs('raw_runs')})")
+    print(f"  example step        {result['example_tokens_per_s']:10.0f} tokens/s  (median of {runs('example_runs')})")
     print("\n".join(gpu_lines) or f"GPU: failed ({gpu_proc.stderr[-500:]})")
     print(f"ratio example/raw (CPU): {result['example_tokens_per_s'] / result['raw_tokens_per_s']:.3f}")
 

@@ -22,11 +22,13 @@ accelerate's own: the Accelerator inherits it (FSDP2's sync flag set through `no
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Mapping
 from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from hyperacc.config import FSDPConfig
 from hyperacc.parallel.context import context_of
@@ -67,12 +69,25 @@ def _validate_step_batch(batch) -> None:
                            "the collate output.")
 
 
+_UNITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _fsdp_units(model) -> list:
+    """The FSDP units of a prepared model, found once: FSDP's setters would walk every submodule
+    (hundreds in a real model) three times per micro-batch."""
+    units = _UNITS.get(model)
+    if units is None:
+        units = _UNITS[model] = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return units
+
+
 def _set_sync(models, *, reduce_now: bool, all_reduce_now: bool, reshard_now: bool) -> None:
     """Tell every FSDP unit of the prepared (root) models what to do in the coming backward."""
     for model in models:
-        model.set_requires_gradient_sync(reduce_now)
-        model.set_requires_all_reduce(all_reduce_now)
-        model.set_reshard_after_backward(reshard_now)
+        for unit in _fsdp_units(model):
+            unit.set_requires_gradient_sync(reduce_now, recurse=False)
+            unit.set_requires_all_reduce(all_reduce_now, recurse=False)
+            unit.set_reshard_after_backward(reshard_now, recurse=False)
 
 
 class TokenIdError(ValueError):
