@@ -1,5 +1,6 @@
 """FSDP2 wrapping of a model: per-block `fully_shard`, meta-device materialisation,
-activation recompute, CPU offload and mixed precision.
+activation recompute, CPU offload and mixed precision. 0-d parameters, which `fully_shard`
+refuses, stay whole on every rank (`hyperacc.replicated`).
 
 Why per block: each transformer block becomes one all-gather/reduce-scatter unit, so only one
 block's full parameters exist at a time; the root call covers what is left (embeddings, head).
@@ -18,6 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from hyperacc.config import FSDPConfig
+from hyperacc.replicated import replicate_scalars, scalar_parameters
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -95,6 +97,12 @@ def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device
     if not on_meta:
         model.to(device)
     kwargs = _policies(config, device.type)
+    scalars = scalar_parameters(model)      # fully_shard refuses 0-d parameters: kept whole (replicated)
+    if scalars and info is not None and info.parallel.tp_size > 1:
+        raise NotImplementedError(
+            "This model has 0-d (scalar) parameters, which hyperacc replicates across data-parallel "
+            "ranks; with tensor parallelism (tp_size > 1) their gradients could be partial per TP "
+            "rank. Make them 1-D (shape [1]) or use tp_size=1.")
     experts = []
     if info is not None:
         from hyperacc import parallel
@@ -103,15 +111,20 @@ def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device
         for module in experts:
             fully_shard(module, mesh=info.expert_fsdp_mesh, **kwargs)
         parallel.set_expert_gradient_reduction(experts, info.grad_ranks, info.parallel.efsdp_size)
+    ignored = {"ignored_params": set(scalars)} if scalars else {}
     for block in blocks:
-        fully_shard(block, mesh=fsdp_mesh, **kwargs)
-    fully_shard(model, mesh=fsdp_mesh, **kwargs)
+        fully_shard(block, mesh=fsdp_mesh, **kwargs, **ignored)
+    fully_shard(model, mesh=fsdp_mesh, **kwargs, **ignored)
     if on_meta:
         target = torch.device("cpu") if "offload_policy" in kwargs else device
         if initialize:
             materialize(model, target, seed)
         else:   # ``initialize=False``: the caller fills the shards next (pretrained weights)
             model.to_empty(device=target)
+        scalars = scalar_parameters(model)      # to_empty replaced them (meta -> real: new objects)
+        for param in scalars:       # not offloaded: FSDP2 manages no state of theirs
+            param.data = param.data.to(device)
+    replicate_scalars(model, scalars, fsdp_mesh)
     return model
 
 

@@ -15,6 +15,7 @@ count is used instead of the restored one, never both: see `skip_first_batches`.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -25,6 +26,8 @@ class ResumableLoader:
 
     def __init__(self, loader):
         self.base_loader = loader
+        if hasattr(loader, "gradient_state"):
+            loader.gradient_state = _RegisterAs(loader.gradient_state, self)
         self._batches_in_epoch = 0
         self._epoch_start: Optional[dict] = None   # random state when the current epoch began
         self._pending: Optional[dict] = None   # restored position, applied by the next __iter__
@@ -143,6 +146,37 @@ class ResumableLoader:
         if name == "base_loader":        # not yet set (e.g. during unpickling)
             raise AttributeError(name)
         return getattr(self.base_loader, name)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if hasattr(self.base_loader, "gradient_state"):     # registered as the proxy again
+            self.base_loader.gradient_state = _RegisterAs(self.base_loader.gradient_state, self)
+
+
+class _RegisterAs:
+    """accelerate's GradientState as the wrapped loader sees it: where the loader registers itself
+    as the active dataloader (`begin`/`end` of its iteration) the proxy the user holds is registered
+    instead. The user's loop therefore finds its own object in `gradient_state.active_dataloader`
+    (accelerate's scripts assert identity), `end_of_dataloader`/`remainder` read through the proxy,
+    and nested and broken loops register and unregister exactly when accelerate's would."""
+
+    def __init__(self, state, proxy: ResumableLoader):
+        self._state = state
+        self._proxy = weakref.ref(proxy)     # the loader holds this: no strong cycle back to the proxy
+
+    def _add_dataloader(self, dataloader):
+        self._state._add_dataloader(self._proxy() or dataloader)
+
+    def _remove_dataloader(self, dataloader):
+        self._state._remove_dataloader(self._proxy() or dataloader)
+
+    def __getattr__(self, name):
+        if name == "_state":             # not yet set (e.g. during unpickling)
+            raise AttributeError(name)
+        return getattr(self._state, name)
+
+    def __reduce__(self):                # a pickled loader gets accelerate's plain GradientState back
+        return type(self._state), ()
 
 
 def prepare_plain_loader(accelerator, data_loader, device_placement=None, slice_fn_for_dispatch=None):
