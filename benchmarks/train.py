@@ -149,7 +149,7 @@ def main() -> None:
         return gpu(args)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29731",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            __file__, "--worker", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--rounds={args.rounds}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     result = None
