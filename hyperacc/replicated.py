@@ -33,7 +33,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves  # what FSDP2 flattens module outputs with
+from torch.utils._pytree import tree_leaves  # private, no public pytree in torch; what FSDP2 flattens outputs with
 
 
 def scalar_parameters(model: nn.Module) -> List[nn.Parameter]:
@@ -89,6 +89,7 @@ class ReplicatedScalars:
     def _queue(self) -> None:
         if not self._queued:
             self._queued = True
+            # private: torch has no public "run at the end of this backward" hook (FSDP2 uses the same call)
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
 
     @torch.no_grad()
