@@ -344,10 +344,9 @@ class Accelerator(accelerate.Accelerator):
             output_dir = custom_objects.next_automatic_dir(self.project_dir, self.save_iteration,
                                                            self.project_configuration.total_limit,
                                                            is_main=self.is_main_process)
-        saved = self._get_checkpointer().save(self._train_state(), output_dir=output_dir)
-        if saved is not None:
-            custom_objects.save(self._custom_objects, saved, is_main=self.is_main_process)
-            self.wait_for_everyone()
+        saved = self._get_checkpointer().save(self._train_state(), output_dir=output_dir, write_extra=lambda path:
+                                              custom_objects.save(self._custom_objects, path,
+                                                                  is_main=self.is_main_process))
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration += 1
         return saved

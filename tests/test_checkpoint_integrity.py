@@ -332,3 +332,38 @@ def test_integrity_on_two_processes(tmp_path):
     assert r0["truncated_explicit"][0] == "IntegrityError" and "__0_0.distcp: truncated" in r0["truncated_explicit"][1]
     assert r0["optimizer_mismatch"][0] == "ValueError" and "param group" in r0["optimizer_mismatch"][1]
     assert r0["late_layer_exact"] is True and r0["late_layer_no_state"] is True
+
+
+class Counter:
+    """An object registered with accelerate's `register_for_checkpointing` (state_dict protocol)."""
+
+    def __init__(self, value=0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": torch.tensor(self.value)}
+
+    def load_state_dict(self, state):
+        self.value = int(state["value"])
+
+
+def test_registered_objects_are_in_the_manifest_and_verified(tmp_path):
+    import hyperacc
+
+    acc = hyperacc.Accelerator(checkpoint=CheckpointConfig(save_ckpt=False))
+    try:
+        model = nn.Linear(4, 4)
+        model, optimizer = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+        counter = Counter(7)
+        acc.register_for_checkpointing(counter)
+        saved = acc.save_state(str(tmp_path / "ck"))
+        manifest = json.loads((tmp_path / "ck" / integrity.MANIFEST_FILE).read_text())
+        assert "custom_checkpoint_0.pkl" in json.dumps(manifest)    # written before the checkpoint completed
+        counter.value = 0
+        acc.load_state(saved)
+        assert counter.value == 7
+        flip_bytes(tmp_path / "ck" / "custom_checkpoint_0.pkl")
+        with pytest.raises(integrity.IntegrityError, match="custom_checkpoint_0.pkl"):
+            acc.load_state(saved)
+    finally:
+        acc.end_training()

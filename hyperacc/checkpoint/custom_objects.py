@@ -2,18 +2,22 @@
 and the `<project_dir>/checkpoints/checkpoint_<i>` naming of `ProjectConfiguration`.
 
 Registered objects are written as accelerate writes them (`custom_checkpoint_<i>.pkl`, a state dict
-saved by the main process) but read back with `weights_only=True`: a checkpoint never runs code.
+saved by the main process, before the checkpoint's `.metadata` and inside its integrity manifest) but
+read back with `weights_only=True`: a checkpoint never runs code.
 Automatic naming prunes old `checkpoint_<i>` directories for `total_limit`, but never a symlink.
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
 import shutil
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
+
+from hyperacc.checkpoint import containment, integrity
 
 logger = logging.getLogger("hyperacc.checkpoint")
 _AUTOMATIC = re.compile(r"^checkpoint_(\d+)$")
@@ -23,13 +27,19 @@ def _path(directory: str, index: int) -> str:
     return os.path.join(directory, f"custom_checkpoint_{index}.pkl")
 
 
-def save(objects: List, directory: str, *, is_main: bool) -> None:
+def save(objects: List, directory: str, *, is_main: bool) -> Dict[str, dict]:
+    """Write each object's ``state_dict()`` (main process) before the checkpoint is complete; returns
+    their digests, which the checkpoint's integrity manifest then covers like its own files."""
     if not is_main:
-        return
+        return {}
+    digests = {}
     for index, obj in enumerate(objects):
-        tmp = _path(directory, index) + ".tmp"
-        torch.save(obj.state_dict(), tmp)
-        os.replace(tmp, _path(directory, index))
+        buffer = io.BytesIO()
+        torch.save(obj.state_dict(), buffer)
+        data = buffer.getvalue()
+        containment.atomic_write(_path(directory, index), data)
+        digests[os.path.basename(_path(directory, index))] = integrity.digest_bytes(data)
+    return digests
 
 
 def load(objects: List, directory: str) -> None:

@@ -141,13 +141,14 @@ class Checkpointer:
         if pending is not None:
             pending.result()
 
-    def save(self, state: TrainState, *, output_dir: Optional[str] = None, final: bool = False) -> Optional[str]:
+    def save(self, state: TrainState, *, output_dir: Optional[str] = None, final: bool = False,
+             write_extra=None) -> Optional[str]:
         """Save all buckets to ``output_dir`` (default ``<checkpoint_dir>/global_step_<N>``).
 
         Asynchronous when ``config.is_async`` and not ``final``: returns once the state is staged
         in CPU memory. Returns the directory, or None when it already held a complete checkpoint
-        (never overwritten).
-        """
+        (never overwritten). ``write_extra(path)`` writes more files there before the checkpoint is
+        complete, on every rank, and returns their digests (e.g. accelerate's registered objects)."""
         for guard in self.save_guards:      # e.g. StepChecks.verify: a non-finite step is never saved
             guard()
         self.wait()
@@ -192,6 +193,8 @@ class Checkpointer:
                     digests[os.path.relpath(file, path)] = storage.atomic_save(per_rank, file)
                 else:
                     payload[storage.EMBEDDED_EXTRA_KEY] = storage.bytes_to_tensor(storage.dumps(shared))
+            if write_extra is not None:
+                digests.update(write_extra(path))
             if _comm.rank() == 0 and self.run_config is not None:
                 containment.atomic_write(os.path.join(path, containment.RUN_CONFIG_FILE), self.run_config)
                 digests[containment.RUN_CONFIG_FILE] = integrity.digest_bytes(self.run_config.encode("utf-8"))
