@@ -51,6 +51,7 @@ def _checked(out, n):
     for r in results:
         assert r["params_equal"] and r["buffers_equal"] and r["export_equal"], r
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6, abs=0), r
+        assert r["loss2"] == pytest.approx(r["ref_loss2"], rel=1e-5, abs=0) and r["loss2"] != r["loss"], r
     return results
 
 
@@ -67,6 +68,14 @@ def test_load_two_processes_expert_parallel(models, tmp_path):
                             "--ep", 2], timeout=300)
     (moe,) = _checked(tmp_path / "r.json", 1)
     assert "model.safetensors.index.json" in moe["export_files"]
+
+
+def test_load_two_processes_tensor_parallel_tied_and_untied(models, tmp_path):
+    # tp 2: the tied dense model's lm_head shares the vocab-split embedding (sharded once, re-tied)
+    run_torchrun(CHECK, 2, ["--model", models / "dense", models / "moe", "--out", tmp_path / "r.json",
+                            "--export", tmp_path / "exp", "--tp", 2], timeout=300)
+    dense, _ = _checked(tmp_path / "r.json", 2)
+    assert "lm_head.weight" not in _read(tmp_path / "exp" / "0")      # still tied in the export
 
 
 @pytest.mark.slow          # 1 and 2 processes run by default; the same loader at 4 in the slow set

@@ -55,7 +55,38 @@ def tensor_parallel_plan(model: nn.Module, expert_plan: Dict[str, str]) -> Dict[
     split by FSDP over dp_shard (and by EP when ep_size > 1)."""
     plan = drop_covered(expand_plan(model, model_plan(model, "tp")), expert_plan)
     packed = {name.rpartition(".")[0]: style for name, style in plan.items() if style in PACKED_STYLES}
-    return drop_covered(plan, packed)
+    return _without_tied_aliases(model, drop_covered(plan, packed))
+
+
+def tied_aliases(model: nn.Module) -> Dict[str, str]:
+    """``{alias: owner}`` of tied weights (``lm_head.weight`` -> ``model.embed_tokens.weight``): one
+    parameter, listed once by ``named_parameters`` (under its owner's name)."""
+    owners = {id(param): name for name, param in model.named_parameters()}
+    aliases = {}
+    for module_name, module in model.named_modules():
+        for attr, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{attr}" if module_name else attr
+            if owners.get(id(param), name) != name:
+                aliases[name] = owners[id(param)]
+    return aliases
+
+
+def _without_tied_aliases(model: nn.Module, plan: Dict[str, str]) -> Dict[str, str]:
+    """The tied weight is sharded once, by its owner's entry; the alias's parameter entry is dropped
+    (its module keeps its forward hooks, and `apply_tensor_parallel` re-ties it to the sharded owner).
+    Both entries must split the same dimension, else an error naming them."""
+    aliases = tied_aliases(model)
+    for alias, owner in aliases.items():
+        styles = {plan.get(alias), plan.get(owner)} - {None}
+        if len(styles) == 2 and styles - _VOCAB_DIM0_STYLES:
+            raise ValueError(f"{alias} is tied to {owner}, but their tensor-parallel styles ({plan[alias]!r}, "
+                             f"{plan[owner]!r}) split it differently. Untie the weights "
+                             "(config.tie_word_embeddings=False) or set tp_size=1.")
+    return {name: style for name, style in plan.items() if name not in aliases}
+
+
+# Styles that split a [vocab, hidden] weight along dim 0: a tied embedding/head pair may mix them.
+_VOCAB_DIM0_STYLES = {"embedding_rowwise", "colwise", "colwise_gather_output"}
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: Dict[str, str]) -> None:
@@ -64,7 +95,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: Dict[str, str]) -> No
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     own = {name: style for name, style in plan.items() if style == PARTIAL_GRAD_STYLE}
+    aliases = tied_aliases(model)
     apply_tensor_parallelism(model, tp_mesh, {k: v for k, v in plan.items() if k not in own})
+    for alias, owner in aliases.items():      # sharding replaced the owner's Parameter: tie again
+        module_name, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, model.get_parameter(owner))
     modules = dict(model.named_modules())
     for name in own:
         if name in modules:

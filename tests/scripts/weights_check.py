@@ -29,6 +29,8 @@ def check(acc, path, export):
     loss = model(input_ids=batch, labels=batch).loss
     acc.backward(loss)
     optimizer.step()
+    optimizer.zero_grad()
+    loss2 = model(input_ids=batch, labels=batch).loss       # after one SGD step: the gradients were right
     result = {}
     if acc.is_main_process:
         from transformers import AutoModelForCausalLM
@@ -37,7 +39,11 @@ def check(acc, path, export):
         params = dict(ref.named_parameters())
         result["params_equal"] = sorted(params) == sorted(full) and all(torch.equal(full[n], params[n]) for n in params)
         result["buffers_equal"] = all(torch.equal(buffers[n], b) for n, b in ref.named_buffers())
-        result["loss"], result["ref_loss"] = loss.item(), ref(input_ids=batch, labels=batch).loss.item()
+        ref_loss = ref(input_ids=batch, labels=batch).loss
+        result["loss"], result["ref_loss"] = loss.item(), ref_loss.item()
+        ref_loss.backward()
+        torch.optim.SGD(ref.parameters(), lr=0.1).step()
+        result["loss2"], result["ref_loss2"] = loss2.item(), ref(input_ids=batch, labels=batch).loss.item()
         again = dict(AutoModelForCausalLM.from_pretrained(export).named_parameters())
         result["export_equal"] = sorted(again) == sorted(full) and all(torch.equal(again[n], full[n]) for n in again)
         result["export_files"] = sorted(os.listdir(export))
