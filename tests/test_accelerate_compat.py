@@ -247,9 +247,11 @@ def _assert_weights_close(ref: dict, got: dict, rtol, atol, what):
 
 # ------------------------------------------------------------------------------------------ 1 process
 
-# On 1 process these two add little to the others (multi_process_metrics matters on several processes,
-# complete_nlp_example combines checkpointing.py and tracking.py): they run with the slow set.
-ONE_PROCESS_SLOW = ("multi_process_metrics", "complete_nlp_example")
+# On 1 process these add little to the others (multi_process_metrics matters on several processes,
+# complete_nlp_example combines checkpointing.py and tracking.py; memory, tracking and early_stopping
+# are nlp_example plus one accelerate utility each): they run with the slow set, keeping the default
+# suite within CI's budget.
+ONE_PROCESS_SLOW = ("multi_process_metrics", "complete_nlp_example", "memory", "tracking", "early_stopping")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=slow) if n in ONE_PROCESS_SLOW else n for n in SCRIPTS])

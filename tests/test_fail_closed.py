@@ -206,8 +206,8 @@ def test_sigkill_of_the_launcher_stops_the_workers(tmp_path):
 # stops before its update. Checked every 5 steps: the device record is read at the step-4 save (the
 # save guard), which names step 3; step 4 ran in memory on NaN weights, was logged, never saved.
 @pytest.mark.parametrize("logging_steps, save_steps, kept, logged", [
-    (1, 1, ["global_step_1", "global_step_2"], [1, 2]),
-    (5, 2, ["global_step_2"], [1, 2, 3, 4]),
+    pytest.param(1, 1, ["global_step_1", "global_step_2"], [1, 2], marks=pytest.mark.slow),  # stop-at-once: also
+    (5, 2, ["global_step_2"], [1, 2, 3, 4]),                                 # test_example's validate-mode run
 ])
 def test_nan_in_production_never_becomes_latest(tmp_path, logging_steps, save_steps, kept, logged):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
