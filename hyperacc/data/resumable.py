@@ -158,7 +158,9 @@ class _RegisterAs:
     as the active dataloader (`begin`/`end` of its iteration) the proxy the user holds is registered
     instead. The user's loop therefore finds its own object in `gradient_state.active_dataloader`
     (accelerate's scripts assert identity), `end_of_dataloader`/`remainder` read through the proxy,
-    and nested and broken loops register and unregister exactly when accelerate's would."""
+    and nested and broken loops register and unregister exactly when accelerate's would.
+    `_add_dataloader`/`_remove_dataloader` are accelerate's private registration methods: it has no
+    public one, and these are what its own DataLoaderShard calls."""
 
     def __init__(self, state, proxy: ResumableLoader):
         self._state = state
