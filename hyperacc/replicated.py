@@ -104,7 +104,7 @@ class ReplicatedScalars:
         dtype = functools.reduce(torch.promote_types, [g.dtype for g in grads if g is not None], torch.float32)
         device = params[0].device
         values = [torch.zeros((), dtype=dtype, device=device) if g is None else g.detach().to(dtype) for g in grads]
-        present = [torch.tensor(float(g is not None), dtype=dtype, device=device) for g in grads]
+        present = [(torch.zeros if g is None else torch.ones)((), dtype=dtype, device=device) for g in grads]
         flat = torch.stack(values + present)
         for group in self._groups:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)

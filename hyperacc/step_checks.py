@@ -83,15 +83,18 @@ class StepChecks:
 
     # ------------------------------------------------------------------ production: on the device
     def _record(self, step: int, norm: torch.Tensor) -> None:
-        """Fold this step into the device record: ``torch.where`` with Python scalars, no copy, no read."""
+        """Fold this step into the device record: a fixed handful of device ops per step (not per
+        micro-batch), ``torch.where`` with Python scalars, no copy, no read."""
         first = (self._norm_bad < 0) & ~torch.isfinite(norm.to(self._norm_bad.device))
         self._norm_bad = torch.where(first, step, self._norm_bad)
-        for index, loss in enumerate(self._losses):
-            loss = loss.to(self._loss_value.device, torch.float64)
-            first = (self._loss_step < 0) & ~torch.isfinite(loss)
+        if self._losses:
+            losses = torch.stack(self._losses).to(self._loss_value.device, torch.float64)
+            bad = ~torch.isfinite(losses)
+            index = bad.to(torch.int64).argmax()           # the first non-finite micro-batch (0 if none)
+            first = (self._loss_step < 0) & bad.any()
             self._loss_step = torch.where(first, step, self._loss_step)
             self._loss_index = torch.where(first, index, self._loss_index)
-            self._loss_value = torch.where(first, loss, self._loss_value)
+            self._loss_value = torch.where(first, losses.gather(0, index.reshape(1)).reshape(()), self._loss_value)
         self._losses.clear()
 
     def verify(self) -> None:
