@@ -69,25 +69,13 @@ def _validate_step_batch(batch) -> None:
                            "the collate output.")
 
 
-_UNITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _fsdp_units(model) -> list:
-    """The FSDP units of a prepared model, found once: FSDP's setters would walk every submodule
-    (hundreds in a real model) three times per micro-batch."""
-    units = _UNITS.get(model)
-    if units is None:
-        units = _UNITS[model] = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    return units
-
-
-def _set_sync(models, *, reduce_now: bool, all_reduce_now: bool, reshard_now: bool) -> None:
-    """Tell every FSDP unit of the prepared (root) models what to do in the coming backward."""
-    for model in models:
-        for unit in _fsdp_units(model):
-            unit.set_requires_gradient_sync(reduce_now, recurse=False)
-            unit.set_requires_all_reduce(all_reduce_now, recurse=False)
-            unit.set_reshard_after_backward(reshard_now, recurse=False)
+def _set_sync(units: List, *, reduce_now: bool, all_reduce_now: bool, reshard_now: bool) -> None:
+    """Tell every FSDP unit of the prepared models what to do in the coming backward (per unit,
+    ``recurse=False``: FSDP's recursive setters walk every submodule, three times per micro-batch)."""
+    for unit in units:
+        unit.set_requires_gradient_sync(reduce_now, recurse=False)
+        unit.set_requires_all_reduce(all_reduce_now, recurse=False)
+        unit.set_reshard_after_backward(reshard_now, recurse=False)
 
 
 class TokenIdError(ValueError):
@@ -126,6 +114,7 @@ class GradientAccumulator:
         self._aux_seen = False
         self._reduced = None            # (step_loss, step_aux_loss) once read
         self._micro_tokens = 0
+        self._units = weakref.WeakKeyDictionary()   # prepared model -> its FSDP units, found once
 
     @property
     def step_loss(self) -> Optional[float]:
@@ -191,7 +180,7 @@ class GradientAccumulator:
         finally:
             self.in_step = False
             self._on_sync_change(True)
-            _set_sync(models, reduce_now=True, all_reduce_now=True, reshard_now=True)
+            _set_sync(self._fsdp_units(models), reduce_now=True, all_reduce_now=True, reshard_now=True)
 
     def _gather_counts(self, local: List[int]) -> List[int]:
         """Sums of tokens and samples over the DP ranks (each counted once although tp/cp peers hold it
@@ -211,9 +200,17 @@ class GradientAccumulator:
     def _enter_micro_batch(self, models, tokens: int, is_last: bool) -> None:
         self._micro_tokens = tokens
         every = self.fsdp.reduce_every_micro_batch
-        _set_sync(models, reduce_now=is_last or every, all_reduce_now=is_last,
+        _set_sync(self._fsdp_units(models), reduce_now=is_last or every, all_reduce_now=is_last,
                   reshard_now=is_last or self.fsdp.reshard_after_forward)
         self._on_sync_change(is_last)
+
+    def _fsdp_units(self, models) -> list:
+        units = []
+        for model in models:
+            if model not in self._units:
+                self._units[model] = [m for m in model.modules() if isinstance(m, FSDPModule)]
+            units += self._units[model]
+        return units
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of a host tensor over the data-parallel ranks, each token counted once (tp/cp peers)."""
