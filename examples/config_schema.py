@@ -18,12 +18,14 @@ from hyperacc.data.loader import micro_batches_per_step
 class ModelConfig:
     """Which model to train. ``name_or_path``: a pretrained directory or hub id (its weights are
     loaded); None builds ``preset`` from scratch. ``overrides``: transformers config fields
-    (e.g. ``{hidden_size: 256, num_hidden_layers: 4}``) applied to the preset or pretrained config."""
+    (e.g. ``{hidden_size: 256, num_hidden_layers: 4}``) applied to the preset or pretrained config.
+    ``dtype``: None = the parameter dtype of the precision recipe (``fsdp.precision``); a value that
+    contradicts the recipe is an error (the recipe decides what is stored)."""
 
     name_or_path: Optional[str] = None
     preset: str = "tiny"
     overrides: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     attn_implementation: Optional[str] = None
     # MoE models only: the experts kernel ("grouped_mm", "eager" = per-expert loop, "batched_mm";
     # None = transformers' default) and the router's load-balancing loss (coefficient from the config).
@@ -64,7 +66,10 @@ class TrainingConfig:
     ``gc.collect()`` / empty the device cache every N steps (0 = never).
     ``mode``: ``validate`` = deterministic checks for correctness runs, ``production`` = speed.
     ``dry_run``: parse, build on the meta device and check the plan, then exit without training;
-    ``dry_run_world_size`` plans for that many processes instead of the launched ones."""
+    ``dry_run_world_size`` plans for that many processes instead of the launched ones;
+    ``dry_run_report``: also write the plan as JSON to this path. ``device_memory_gb``: the memory
+    of one device (GB = 10^9 bytes); a plan that does not fit it stops the dry run and the training
+    run before anything is built (None: not checked)."""
 
     max_steps: int = 20
     global_batch_size: int = 8
@@ -73,6 +78,8 @@ class TrainingConfig:
     mode: Literal["validate", "production"] = "production"
     dry_run: bool = False
     dry_run_world_size: Optional[int] = None
+    dry_run_report: Optional[str] = None
+    device_memory_gb: Optional[float] = None
     gradient_clipping: Optional[float] = 1.0
     epochs: int = 1
     gc_steps: int = 0
@@ -89,6 +96,9 @@ class TrainingConfig:
         check_batch(self)
         if self.dry_run_world_size is not None and self.dry_run_world_size < 1:
             raise ConfigError(f"training.dry_run_world_size={self.dry_run_world_size} must be >= 1.")
+        if self.device_memory_gb is not None and self.device_memory_gb <= 0:
+            raise ConfigError(f"training.device_memory_gb={self.device_memory_gb} must be > 0 (e.g. 64 for a "
+                              "64 GB device), or null to skip the check.")
         if self.gradient_clipping is not None and self.gradient_clipping < 0:
             raise ConfigError(f"training.gradient_clipping={self.gradient_clipping} must be >= 0 "
                               "(0 or null disables clipping).")

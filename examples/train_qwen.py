@@ -10,6 +10,7 @@ Without a YAML it trains the embedded default: a tiny Qwen3-MoE on the offline c
 The library does the hard parts (sharding, exact accumulation, checkpoints, metrics); the loop
 below is all there is to the training itself.
 """
+import json
 import os
 import sys
 import time
@@ -33,11 +34,38 @@ def load_config(argv):
     """
     has_yaml = any(not a.startswith("-") and a.endswith((".yaml", ".yml")) for a in argv)
     cfg = parse_config(TrainConfig, None if has_yaml else DEFAULT_CONFIG, argv=argv)
+    check_model_dtype(cfg)
     t, p = cfg.training, cfg.parallel
     world = t.dry_run_world_size if t.dry_run else None
     world = world or int(os.environ.get("WORLD_SIZE", "0")) or (8 if t.dry_run else 1)
     check_batch(t, world // (max(1, p.tp_size) * max(1, p.cp_size)))
     return cfg, world
+
+
+def check_model_dtype(cfg):
+    """``model.dtype`` may only repeat what the precision recipe stores (the recipe decides)."""
+    from hyperacc.precision import get_recipe
+
+    recipe = get_recipe(cfg.fsdp.precision)
+    wanted = str(recipe.param_dtype).replace("torch.", "")
+    if cfg.model.dtype is not None and cfg.model.dtype != wanted:
+        raise ConfigError(f"model.dtype={cfg.model.dtype} contradicts fsdp.precision={recipe.name} (which stores "
+                          f"{wanted} parameters). Fix: drop --model.dtype, or pick the recipe instead, e.g. "
+                          f"--fsdp.precision={'bf16' if cfg.model.dtype == 'bfloat16' else 'fp32_master'}.")
+
+
+def optimizer_config(cfg):
+    """The optimizer to build: torch.optim.AdamW becomes hyperacc.optim.AdamW (same arguments but its
+    kernel choices foreach/fused/capturable) under a bf16 recipe, whose fp32 arithmetic and moment
+    dtype follow the recipe."""
+    from hyperacc.cli_config import Component
+    from hyperacc.precision import get_recipe
+
+    opt = cfg.optimizer
+    if get_recipe(cfg.fsdp.precision).low_precision and opt.target == "torch.optim.AdamW":
+        kwargs = {k: v for k, v in opt.kwargs.items() if k not in ("foreach", "fused", "capturable")}
+        return Component("hyperacc.optim.AdamW", kwargs)
+    return opt
 
 
 def model_config(cfg, vocab_size=None):
@@ -62,15 +90,17 @@ def model_config(cfg, vocab_size=None):
 
 
 def build_model(cfg, vocab_size=None, accelerator=None):
-    """On the meta device (random init after sharding), or the pretrained weights when present
-    (a directory or a hub id in the local cache; with ``accelerator`` each rank later reads only
-    its own shards of them in ``prepare``)."""
+    """On the meta device (random init after sharding), or, with ``accelerator``, the pretrained
+    weights when present (a directory or a hub id in the local cache; each rank later reads only its
+    own shards of them in ``prepare``). Without one (planning) the pretrained config, on meta."""
     import torch
     from hyperacc.models import build_causal_lm, has_pretrained_weights, load_pretrained, with_router_aux_loss
 
+    from hyperacc.precision import get_recipe
+
     path = cfg.model.name_or_path
-    if path and has_pretrained_weights(path):
-        model = load_pretrained(path, accelerator=accelerator, dtype=getattr(torch, cfg.model.dtype))
+    if path and accelerator is not None and has_pretrained_weights(path):
+        model = load_pretrained(path, accelerator=accelerator, dtype=get_recipe(cfg.fsdp.precision).param_dtype)
         model.config.use_cache = False
         model.config = with_router_aux_loss(model.config, cfg.model.router_aux_loss)
         return model
@@ -81,25 +111,59 @@ def build_model(cfg, vocab_size=None, accelerator=None):
                            experts_implementation=cfg.model.experts_implementation if moe else None)
 
 
-def dry_run(cfg, world_size):
-    """Plan the sharding for `world_size` ranks and estimate memory per rank; no process group."""
-    from hyperacc.dry_run import format_plan, plan_sharding
+def memory_plan(cfg, world_size, vocab_size=None, device_type="cuda"):
+    """The dry-run planner's ShardingPlan for this config on `world_size` ranks (meta model, no process group)."""
+    from hyperacc.dry_run import plan_sharding
 
-    vocab = None if "vocab_size" in cfg.model.overrides else _tokenizer(cfg)
-    model = build_model(cfg, vocab_size=vocab)
-    fsdp = cfg.fsdp
+    model = build_model(cfg, vocab_size=vocab_size)
+    fsdp, p = cfg.fsdp, cfg.parallel
     try:
-        plan = plan_sharding(
-            model, world_size=world_size, dp_replicate=cfg.parallel.dp_replicate_size, tp=cfg.parallel.tp_size,
-            cp=cfg.parallel.cp_size, ep=cfg.parallel.ep_size, wrap_classes=fsdp.wrap_classes, mixed_precision=fsdp.mixed_precision,
-            cpu_offload=fsdp.cpu_offload, activation_checkpointing=fsdp.activation_checkpointing,
+        return plan_sharding(
+            model, world_size=world_size, dp_replicate=p.dp_replicate_size, tp=p.tp_size, cp=p.cp_size,
+            ep=p.ep_size, wrap_classes=fsdp.wrap_classes, mixed_precision=fsdp.mixed_precision,
+            precision=fsdp.precision, cpu_offload=fsdp.cpu_offload,
+            activation_checkpointing=fsdp.activation_checkpointing, reshard_after_forward=fsdp.reshard_after_forward,
             micro_batch_size=cfg.training.micro_batch_size, seq_len=cfg.data.seq_len,
-            eager_attention=cfg.model.attn_implementation in (None, "eager"),
-            micro_batches=check_batch(cfg.training, max(1, world_size // (cfg.parallel.tp_size * cfg.parallel.cp_size))))
+            eager_attention=cfg.model.attn_implementation in (None, "eager"), device_type=device_type,
+            micro_batches=check_batch(cfg.training, max(1, world_size // (p.tp_size * p.cp_size))))
     except ValueError as err:
         raise ConfigError(f"dry run for {world_size} ranks: {err}") from None
+
+
+def check_fits(cfg, plan):
+    """One ConfigError when the plan's device peak exceeds training.device_memory_gb."""
+    limit = cfg.training.device_memory_gb
+    if limit is None or plan.device_bytes <= limit * 1e9:
+        return
+    top = sorted(plan.bytes.items(), key=lambda kv: -kv[1])[:3]
+    parts = ", ".join(f"{name} {value / 2**30:.1f} GiB" for name, value in top)
+    raise ConfigError(f"the plan needs {plan.device_bytes / 2**30:.1f} GiB per rank on {plan.world_size} rank(s) "
+                      f"(largest: {parts}) but training.device_memory_gb={limit:g} ({limit * 1e9 / 2**30:.1f} GiB). "
+                      "Fix: a leaner recipe (--fsdp.precision=bf16 or bf16_sr), "
+                      "--fsdp.activation_checkpointing=true, a smaller micro-batch, more ranks, or "
+                      "--fsdp.cpu_offload=true; --training.dry_run=true prints the whole plan.")
+
+
+def dry_run(cfg, world_size):
+    """Plan the sharding for `world_size` ranks and estimate memory per rank; no process group."""
+    from hyperacc.dry_run import format_plan, plan_report
+    from hyperacc.runtime import DEVICE_ENV
+
+    vocab = None if "vocab_size" in cfg.model.overrides else _tokenizer(cfg)
+    device_type = os.environ.get(DEVICE_ENV) or "cuda"     # an accelerator unless told otherwise
+    plan = memory_plan(cfg, world_size, vocab, device_type)
     print(format_config(cfg))
     print(format_plan(plan))
+    report = cfg.training.dry_run_report
+    if report:
+        limit = cfg.training.device_memory_gb
+        data = plan_report(plan, device_type=device_type, device_memory_bytes=None if limit is None else int(limit * 1e9),
+                           fits=None if limit is None else plan.device_bytes <= limit * 1e9)
+        os.makedirs(os.path.dirname(os.path.abspath(report)), exist_ok=True)
+        with open(report, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+        print(f"plan written to {report}")
+    check_fits(cfg, plan)
 
 
 def preflight(cfg, world_size):
@@ -132,13 +196,16 @@ def preflight(cfg, world_size):
     if ck.save_ckpt:
         collect(check_output_path, ck.checkpoint_dir, "--checkpoint.checkpoint_dir", directory=True)
     collect(check_dataset_path, cfg.data.dataset)
-    collect(check_optimizer, cfg.optimizer)
+    collect(check_optimizer, optimizer_config(cfg))
     collect(_check_parallel, cfg, world_size)
     tokenizer = collect(tokenizer_or_error)
     if tokenizer is not None:
         config = collect(_model_config_or_error, cfg, len(tokenizer))
         if config is not None:
             collect(check_model_config, config, tokenizer_size=len(tokenizer))
+        if cfg.training.device_memory_gb is not None and not problems:
+            from hyperacc.runtime import detect_device_type
+            collect(lambda: check_fits(cfg, memory_plan(cfg, world_size, len(tokenizer), detect_device_type())))
     if problems:
         raise ConfigError(problems[0] if len(problems) == 1 else
                           f"{len(problems)} problems: " + " | ".join(problems))
@@ -218,7 +285,7 @@ def train(cfg, tokenizer):
     # Data, model, optimizer, schedule.
     train_ds, eval_ds = build_data(cfg, acc, tokenizer)
     model = build_model(cfg, vocab_size=len(tokenizer), accelerator=acc)
-    optimizer = cfg.optimizer.build(param_groups(model, cfg.optimizer.get("weight_decay", 0.0)))
+    optimizer = optimizer_config(cfg).build(param_groups(model, cfg.optimizer.get("weight_decay", 0.0)))
     scheduler = lr_lambda_scheduler(optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.max_steps)
     loader = hyperacc.MicroBatchDataLoader(train_ds, global_batch_size=t.global_batch_size,
                                            micro_batch_size=t.micro_batch_size, shuffle=cfg.data.shuffle,

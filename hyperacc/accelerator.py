@@ -19,7 +19,7 @@ import accelerate
 from accelerate.utils import set_seed
 import torch
 
-from hyperacc import compat, parallel, weights
+from hyperacc import compat, parallel, precision, weights
 from hyperacc import runtime as runtime_lib
 from hyperacc.accumulation import GradientAccumulator
 from hyperacc.launch_env import env_value
@@ -84,6 +84,9 @@ class Accelerator(accelerate.Accelerator):
                 gradient_accumulation_plugin=gradient_accumulation_plugin,
                 step_scheduler_with_optimizer=step_scheduler_with_optimizer, kwargs_handlers=kwargs_handlers)
         compat.mark_state_fsdp2(self.state, fsdp_plugin)
+        self.recipe = precision.get_recipe(self.fsdp_config.precision)
+        precision.check_recipe(self.recipe, mixed_precision=self.fsdp_config.mixed_precision,
+                               device_type=self.runtime.device_type, has_loss_scaler=self.scaler is not None)
         self._mesh = build_mesh(self.parallel_config, self.runtime.world_size, self.runtime.device_type)
         if seed is not None:
             set_seed(self.seed)         # accelerate's: python, numpy, torch and every accelerator
@@ -167,6 +170,7 @@ class Accelerator(accelerate.Accelerator):
         if getattr(optimizer, "_is_accelerate_prepared", False) or isinstance(optimizer, accelerate.optimizer.AcceleratedOptimizer):
             raise ValueError("This optimizer was already prepared.")
         rebind_optimizer(optimizer, self._params)
+        precision.adapt_optimizer(optimizer, self.recipe)
         if not self._optimizers:      # progress counts the steps of the first optimizer
             optimizer.register_step_post_hook(lambda *_: self._count_step())
         return super().prepare_optimizer(optimizer, device_placement=device_placement)
@@ -331,7 +335,8 @@ class Accelerator(accelerate.Accelerator):
         return TrainState(
             models=list(self._models), optimizers=[o.optimizer for o in self._optimizers],
             schedulers=[s.scheduler for s in self._schedulers], loader=self._train_loader,
-            progress=self.progress, dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed)
+            progress=self.progress, dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed,
+            precision=self.recipe.name)
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    **save_model_func_kwargs) -> Optional[str]:

@@ -123,6 +123,8 @@ class FSDPConfig:
     ``reduce_every_micro_batch``: reduce-scatter gradients after every micro-batch of an
     accumulation step (lower memory: no unsharded gradient kept between micro-batches) instead
     of only after the last one (fewer collectives).
+    ``precision``: the recipe for stored parameters, gradients and optimizer states
+    ("fp32_master", "bf16", "bf16_sr"; see `hyperacc.precision`).
     """
 
     reshard_after_forward: Optional[bool] = unset(True, "FSDP_RESHARD_AFTER_FORWARD")
@@ -131,9 +133,13 @@ class FSDPConfig:
     activation_checkpointing: Optional[bool] = unset(False, "FSDP_ACTIVATION_CHECKPOINTING")
     wrap_classes: Optional[List[str]] = unset(None, "FSDP_TRANSFORMER_CLS_TO_WRAP")
     reduce_every_micro_batch: Optional[bool] = unset(False)
+    precision: Optional[str] = unset("fp32_master", "HYPERACC_FSDP_PRECISION")
 
     def __post_init__(self):
+        from hyperacc.precision import get_recipe
+
         resolve(self)
+        get_recipe(self.precision)      # an unknown recipe fails here, naming the choices
         if str(self.mixed_precision).lower() == "no":
             self.mixed_precision = None
         if self.mixed_precision not in (None, "bf16", "fp16"):

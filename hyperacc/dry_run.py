@@ -1,22 +1,31 @@
-"""Dry run: plan the FSDP2 (+ TP/EP) sharding of a meta-device model for N ranks and estimate memory per rank.
+"""Dry run: plan the FSDP2 (+ TP/EP/CP) sharding of a meta-device model for N ranks and estimate
+memory per rank under a precision recipe. No process group and no real tensor are needed.
 
-No process group and no real tensor are needed: the model is only inspected. FSDP2 shards every
-parameter on dim 0 over the ``dp_shard`` ranks (padded to equal chunks; replicas under HSDP
-hold the same shard), so the largest shard a rank holds is ``ceil(dim0 / dp_shard) * rest``.
-With ``tp > 1`` the parameters the model's TP plan splits are 1/tp first; with ``ep > 1`` the
-experts are 1/ep per rank (whole experts) and FSDP-sharded over efsdp = dp_shard*tp/ep instead.
-All-to-all volume (EP): every routed (token, expert) pair whose expert lives on another rank is
-sent there and its output sent back, in forward, backward (and the recompute forward).
-With ``cp > 1`` FSDP shards over dp_shard*cp, each rank holds seq/cp tokens of every sequence
-(activations and logits 1/cp), attention holds heads/(tp*cp) heads of the whole sequence, and
-q, k, v and the attention output cross the cp group by all-to-all in every (re)computation.
+Sharding: FSDP2 shards every parameter on dim 0 over the ``dp_shard`` (x cp) ranks (padded to equal
+chunks; replicas under HSDP hold the same shard). With ``tp > 1`` the parameters the model's TP plan
+splits are 1/tp first; with ``ep > 1`` the experts are 1/ep per rank (whole experts) and
+FSDP-sharded over efsdp = dp_shard*cp*tp/ep instead.
 
-Estimated bytes per rank (``estimate``):
-  persistent: sharded fp32 master parameters, sharded fp32 gradients, AdamW's two fp32 moments;
-  transient: the all-gathered compute copies of two FSDP units (the one running and the one
-    prefetched) in the compute dtype, plus one unit's unsharded gradients in the reduce dtype;
-  activations (rough, optional): saved block inputs under activation checkpointing (or every
-    block's activations without it), one block's recompute peak, and the fp32 logits.
+Bytes per rank (``plan_sharding(...).bytes``), in two phases whose larger sum is the peak:
+  persistent: sharded parameters, gradients and AdamW's two moments, in the recipe's dtypes
+    (`hyperacc.precision`);
+  backward (the peak of forward + backward): the root unit all-gathered (it is not resharded
+    after forward) plus two block units (the running one and the prefetched one; every unit when
+    ``reshard_after_forward`` is off), one unit's unsharded gradients in the compute dtype plus
+    the fp32 reduce-scatter buffer FSDP2 copies them into, and the activations autograd saves;
+  optimizer step: what the optimizer allocates while it runs -- fp32 copies of one parameter
+    shard for `hyperacc.optim.AdamW` (or torch's single-tensor AdamW on CPU), one moment-sized
+    temporary of every parameter for torch's foreach AdamW on accelerators.
+
+Activations are counted per token from the tensors a Qwen3-style block saves for backward
+(RMSNorm upcasts to fp32, q/k norms and RoPE, attention inputs/outputs, the router's fp32 softmax,
+top-k expert rows through gate_up / activation / down), checked against autograd's saved-tensor
+hooks on CPU; the logits add their fp32 log-softmax and its gradient. `benchmarks/memory_plan.py`
+compares the whole plan with measured peaks.
+
+Traffic notes: FSDP all-gathers per step, EP all-to-all (every routed (token, expert) pair whose
+expert lives on another rank goes there and back, in forward, backward and the recompute
+forward), CP all-to-all of q, k, v and the attention output.
 """
 from __future__ import annotations
 
@@ -24,11 +33,17 @@ import dataclasses
 import math
 from typing import Dict, List, Optional
 
+import torch
 import torch.nn as nn
 
-__all__ = ["ShardingPlan", "plan_sharding", "format_plan"]
+from hyperacc.precision import get_recipe
 
-_BYTES = {"bf16": 2, "fp16": 2, None: 4}
+__all__ = ["ShardingPlan", "plan_sharding", "format_plan", "plan_report"]
+
+_COMPUTE_BYTES = {"bf16": 2, "fp16": 2}
+PERSISTENT = ("params", "grads", "optimizer states")
+BACKWARD = ("all-gathered units", "unsharded grads", "activations")
+OPTIMIZER_STEP = ("optimizer step",)
 
 
 @dataclasses.dataclass
@@ -48,10 +63,12 @@ class ShardingPlan:
     largest_unit_params: int
     block_class: List[str]
     bytes: Dict[str, float]              # category -> bytes per rank
-    device_bytes: float                  # what lives in device memory
+    device_bytes: float                  # peak in device memory: max(backward, optimizer step) phase
     host_bytes: float                    # what lives in host memory (CPU offload)
     notes: List[str]
     cp: int = 1
+    precision: str = "fp32_master"
+    labels: Dict[str, str] = dataclasses.field(default_factory=dict)   # category -> what it holds
 
 
 def _numel(shape) -> int:
@@ -90,15 +107,65 @@ def _parallel_shares(model: nn.Module, tp: int, ep: int) -> Dict[str, tuple]:
     return shares
 
 
+def activation_bytes(config, *, tokens: int, seq_len: int, micro_batch_size: int, compute: int, layers: int,
+                     recompute: bool, eager_attention: bool, tp: int = 1, cp: int = 1, ep: int = 1) -> float:
+    """Peak bytes of saved activations (and the logits' gradient) of one micro-batch of ``tokens``
+    tokens on one rank (this rank's 1/cp of each sequence).
+
+    Per token and block, fitted to autograd's saved tensors of transformers' Qwen3-MoE block on CPU
+    (fp32 and bf16, hidden/heads/kv/head_dim/experts/top-k/expert size varied one at a time; every
+    coefficient is a whole number of tensors): RMSNorms 8 + 4b bytes per hidden unit, q/k/v width
+    4 + 3b per unit (q/k norms, RoPE, attention inputs/output), 4 per expert (fp32 router softmax),
+    top_k x (2 hidden + 4 expert-width) x b (expert rows in, gate_up, activation, down, out).
+    Outside the blocks: the final norm and head input, RoPE tables, and the logits at the start of
+    backward: the model's 16-bit logits, the fp32 log-softmax, its gradient and the logits' gradient.
+    """
+    get = lambda name, default=0: int(getattr(config, name, None) or default)  # noqa: E731
+    hidden, heads = get("hidden_size"), get("num_attention_heads", 1)
+    head_dim = get("head_dim") or hidden // heads
+    q_heads, kv_heads = heads // tp, max(1, get("num_key_value_heads", heads) // tp)
+    experts, top_k = get("num_experts"), get("num_experts_per_tok")
+    b = compute
+    per_token = hidden * (8 + 4 * b) + head_dim * (q_heads + kv_heads) * (4 + 3 * b) + 300
+    if experts:
+        per_token += 4 * experts + top_k * (2 * hidden + 4 * get("moe_intermediate_size")) * b
+        if ep > 1:
+            per_token += 2 * top_k * hidden * b           # all-to-all dispatch and combine buffers
+    else:
+        per_token += 4 * get("intermediate_size") * b     # dense MLP: gate, up, activation, down input
+    per_layer = per_token * tokens
+    if eager_attention:     # this rank's heads' (seq x seq) fp32 softmax (+ its 16-bit cast), repeated k/v
+        attn_heads = max(1, heads // (tp * cp))
+        per_layer += micro_batch_size * attn_heads * seq_len * seq_len * (4 + (b if b < 4 else 0))
+        per_layer += tokens * 2 * (q_heads - kv_heads) * head_dim * b
+    saved = layers * (hidden * b * tokens if recompute else per_layer)
+    if recompute:
+        saved += per_layer                                # one block recomputed during its backward
+    outside = hidden * (4 + 2 * b) + 2 * b * head_dim + get("vocab_size") * (12 + (b if b < 4 else 0))
+    return float(saved + tokens * outside)
+
+
+def _optimizer_step_bytes(recipe, local_params: int, largest_local: int, device_type: str) -> tuple:
+    if recipe.low_precision or device_type == "cpu":      # one parameter at a time
+        copies = 5 if recipe.low_precision else 1         # fp32 param, grad, moments, denominator
+        return 4.0 * copies * largest_local, "fp32 temporaries of the largest parameter shard"
+    return float(torch.empty((), dtype=recipe.state_dtype).element_size() * local_params), \
+        "foreach AdamW: one moment-sized temporary of every parameter"
+
+
 def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, tp: int = 1, cp: int = 1,
-                  ep: int = 1, wrap_classes=None, mixed_precision: Optional[str] = None, cpu_offload: bool = False,
-                  activation_checkpointing: bool = False, micro_batch_size: Optional[int] = None,
-                  seq_len: Optional[int] = None, eager_attention: bool = True,
-                  micro_batches: int = 1) -> ShardingPlan:
+                  ep: int = 1, wrap_classes=None, mixed_precision: Optional[str] = None,
+                  precision: Optional[str] = None, cpu_offload: bool = False,
+                  activation_checkpointing: bool = False, reshard_after_forward: bool = True,
+                  micro_batch_size: Optional[int] = None, seq_len: Optional[int] = None,
+                  eager_attention: bool = True, micro_batches: int = 1, device_type: str = "cuda") -> ShardingPlan:
     """Plan ``model`` (on the meta device) for ``world_size`` ranks; no process group needed.
-    ``micro_batches``: per DP rank and optimizer step (for the all-to-all volume per step)."""
+    ``micro_batches``: per DP rank and optimizer step (for the traffic per step). ``device_type``:
+    where it will run ("cpu" changes only how torch's AdamW allocates)."""
+    from hyperacc.parallel.context import check_context_parallel, kv_replication
     from hyperacc.sharding import block_classes, find_blocks
 
+    recipe = get_recipe(precision)
     fixed = dp_replicate * tp * cp
     if world_size % fixed:
         raise ValueError(f"world size {world_size} is not divisible by dp_replicate*tp*cp={fixed}")
@@ -108,10 +175,10 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
         raise ValueError(f"ep_size={ep} does not divide dp_shard*cp*tp = {shards * tp}")
     efsdp = shards * tp // ep
     share = _parallel_shares(model, tp, ep)
-    from hyperacc.parallel.context import check_context_parallel, kv_replication
     check_context_parallel(model, cp, tp)
     names = block_classes(model, wrap_classes)
     blocks = find_blocks(model, names)
+    named = dict(model.named_parameters())
 
     def after_split(name, p):                       # the per-rank numel before FSDP
         return p.numel() // share[name][0]
@@ -122,9 +189,8 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
         shape[0] = math.ceil(shape[0] / divisor)    # whole experts / tp slices (padding ignored)
         return _shard_numel(tuple(shape), efsdp if expert else shards)
 
-    named = dict(model.named_parameters())
     ids = {id(p): n for n, p in named.items()}
-    in_block, unit_sizes, gathered = set(), [], 0.0
+    in_block, block_units, gathered = set(), [], 0.0
     for block in blocks:
         dense = expert = 0
         for p in block.parameters():
@@ -134,29 +200,43 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
                 expert += after_split(n, p)
             else:
                 dense += after_split(n, p)
-        unit_sizes += [dense] + ([expert] if expert else [])
+        block_units += [dense] + ([expert] if expert else [])
         gathered += dense * (shards - 1) / shards + expert * (efsdp - 1) / efsdp
-    unit_sizes.append(sum(after_split(n, p) for n, p in named.items() if id(p) not in in_block))
-    gathered += unit_sizes[-1] * (shards - 1) / shards
+    root_unit = sum(after_split(n, p) for n, p in named.items() if id(p) not in in_block)
+    gathered += root_unit * (shards - 1) / shards
+    unit_sizes = block_units + [root_unit]
     total = sum(p.numel() for p in model.parameters())
     local_dense = sum(sharded(n, p) for n, p in named.items() if not share[n][1])
     local_expert = sum(sharded(n, p) for n, p in named.items() if share[n][1])
     local = local_dense + local_expert
-    compute = _BYTES[mixed_precision]
+    per_param = recipe.bytes_per_param()
+    param_bytes = per_param["params"]
+    compute = _COMPUTE_BYTES.get(mixed_precision, param_bytes)
     largest = max(unit_sizes)
-    second = sorted(unit_sizes)[-2] if len(unit_sizes) > 1 else 0
+    ordered = sorted(block_units)
+    live_blocks = sum(block_units) if not reshard_after_forward else sum(ordered[-2:])
     sizes = {
-        "params (fp32 master, sharded)": 4.0 * local,
-        "grads (fp32, sharded)": 4.0 * local,
-        "optimizer (AdamW exp_avg + exp_avg_sq, fp32)": 8.0 * local,
-        f"transient: 2 all-gathered units ({'bf16' if compute == 2 else 'fp32'})": float(compute * (largest + second)),
-        "transient: 1 unit of unsharded grads (fp32 reduce)": 4.0 * largest,
+        "params": float(per_param["params"] * local),
+        "grads": float(per_param["grads"] * local),
+        "optimizer states": float(per_param["optimizer"] * local),
+        "all-gathered units": float(compute * (root_unit + live_blocks)),
+        "unsharded grads": float((compute + 4) * largest),
     }
-    notes = []
+    dtype_name = str(recipe.param_dtype).replace("torch.", "")
+    state_name = str(recipe.state_dtype).replace("torch.", "")
+    compute_name = {2: "bf16", 4: "fp32"}[compute] if mixed_precision != "fp16" else "fp16"
+    labels = {
+        "params": f"params ({dtype_name}, sharded)",
+        "grads": f"grads ({dtype_name}, sharded)",
+        "optimizer states": f"optimizer states (AdamW exp_avg + exp_avg_sq, {state_name})",
+        "all-gathered units": (f"transient: root unit + {'every' if not reshard_after_forward else 'two'} block "
+                               f"unit(s) all-gathered ({compute_name})"),
+        "unsharded grads": f"transient: one unit's unsharded grads ({compute_name}) + fp32 reduce-scatter buffer",
+    }
+    notes = [f"precision={recipe.name}: {recipe.summary}"]
     if tp > 1 or ep > 1:
-        notes.append(f"of the persistent params per rank: dense {_human(local_dense)} ({_bytes(4.0 * local_dense).strip()} "
-                     f"fp32), expert {_human(local_expert)} ({_bytes(4.0 * local_expert).strip()} fp32); "
-                     f"grads and AdamW states follow the same split")
+        notes.append(f"of the persistent params per rank: dense {_human(local_dense)}, expert {_human(local_expert)}; "
+                     "grads and AdamW states follow the same split")
     # all-gathered per rank: each unit in forward and again in backward, every micro-batch
     notes.append(f"all-gathered per rank and step (FSDP, received, {micro_batches} micro-batch(es)): "
                  f"{_bytes(gathered * compute * 2 * micro_batches).strip()}")
@@ -169,51 +249,44 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
         tokens = micro_batch_size * seq_len * micro_batches / tp / cp  # a tp group's ranks split its tokens
         passes = 2 * (3 if activation_checkpointing else 2)            # dispatch + combine, fwd/bwd(/recompute)
         all_to_all = tokens * top_k * hidden * compute * layers * passes * (ep - 1) / ep
-        sizes_note = f"all-to-all per rank and step (EP, sent): {_bytes(all_to_all).strip()}"
-        notes.append(sizes_note)
-    config = getattr(model, "config", None)
+        notes.append(f"all-to-all per rank and step (EP, sent): {_bytes(all_to_all).strip()}")
     if micro_batch_size and seq_len and config is not None:
-        hidden = int(getattr(config, "hidden_size", 0))
-        layers = len(blocks)
-        heads = int(getattr(config, "num_attention_heads", 1))
-        vocab = int(getattr(config, "vocab_size", 0))
         tokens = micro_batch_size * seq_len // cp                   # this rank's piece of each sequence
-        block_peak = tokens * hidden * compute * 16
-        if eager_attention:      # the (heads x seq x seq) score and probability matrices, heads of this rank
-            block_peak += micro_batch_size * max(1, heads // (tp * cp)) * seq_len * seq_len * compute * 2
-        if activation_checkpointing:
-            acts = layers * tokens * hidden * compute + block_peak
-        else:
-            acts = layers * block_peak
-        acts += 2 * tokens * vocab * 4
-        sizes["activations (rough: block inputs, one block's recompute, fp32 logits)"] = float(acts)
+        sizes["activations"] = activation_bytes(
+            config, tokens=tokens, seq_len=seq_len, micro_batch_size=micro_batch_size, compute=compute,
+            layers=len(blocks), recompute=activation_checkpointing, eager_attention=eager_attention, tp=tp, cp=cp,
+            ep=ep)
+        labels["activations"] = ("activations (block inputs + one block recomputed" if activation_checkpointing
+                                 else "activations (every block") + ", logits and their fp32 gradient)"
         if cp > 1:
+            heads = int(getattr(config, "num_attention_heads", 1))
+            hidden = int(getattr(config, "hidden_size", 0))
             head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
             kv = int(getattr(config, "num_key_value_heads", None) or heads) // tp
             kv *= kv_replication(heads // tp, max(kv, 1), cp) or 1
             per_token = (2 * heads // tp + 2 * kv) * head_dim * compute     # q, k, v out; attention output back
             passes = 3 if activation_checkpointing else 2                # forward, backward (, recompute)
-            cp_bytes = tokens * micro_batches * layers * per_token * passes * (cp - 1) / cp
+            cp_bytes = tokens * micro_batches * len(blocks) * per_token * passes * (cp - 1) / cp
             notes.append(f"all-to-all per rank and step (CP, sent): {_bytes(cp_bytes).strip()}")
-        notes.append("activations are a rough order of magnitude" + (
-            " (eager attention: its seq x seq scores are included)" if eager_attention else ""))
-    persistent = ("params (fp32 master, sharded)", "grads (fp32, sharded)",
-                  "optimizer (AdamW exp_avg + exp_avg_sq, fp32)")
+    largest_local = max((sharded(n, p) for n, p in named.items()), default=0)
+    sizes["optimizer step"], labels["optimizer step"] = _optimizer_step_bytes(recipe, local, largest_local, device_type)
+    labels["optimizer step"] = "transient: optimizer step, " + labels["optimizer step"]
+    persistent = sum(sizes[k] for k in PERSISTENT)
+    host = persistent if cpu_offload else 0.0
+    on_device = 0.0 if cpu_offload else persistent
     if cpu_offload:
-        host = sum(sizes[k] for k in persistent)
-        device = sum(v for k, v in sizes.items() if k not in persistent)
-        notes.append("cpu_offload: parameters, gradients and optimizer states live in host memory")
-    else:
-        host = 0.0
-        device = sum(sizes.values())
+        notes.append("cpu_offload: parameters, gradients and optimizer states live in host memory "
+                     "(the optimizer step runs there too)")
+    backward = on_device + sum(sizes.get(k, 0.0) for k in BACKWARD)
+    step = on_device + (0.0 if cpu_offload else sizes["optimizer step"])
     if not blocks:
         notes.append(f"no module of class {names} found: the whole model is one FSDP unit")
     return ShardingPlan(world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep,
-                        efsdp=efsdp,
-                        dense_params_per_rank=local_dense, expert_params_per_rank=local_expert,
-                        all_to_all_bytes=all_to_all, total_params=total,
-                        params_per_rank=local, units=len(unit_sizes), largest_unit_params=largest,
-                        block_class=names, bytes=sizes, device_bytes=device, host_bytes=host, notes=notes)
+                        efsdp=efsdp, dense_params_per_rank=local_dense, expert_params_per_rank=local_expert,
+                        all_to_all_bytes=all_to_all, total_params=total, params_per_rank=local,
+                        units=len(unit_sizes), largest_unit_params=largest, block_class=names, bytes=sizes,
+                        device_bytes=max(backward, step), host_bytes=host, notes=notes, precision=recipe.name,
+                        labels=labels)
 
 
 def _human(n: float) -> str:
@@ -240,12 +313,24 @@ def format_plan(plan: ShardingPlan) -> str:
         f"params_per_rank={plan.params_per_rank} ({_human(plan.params_per_rank)})",
         f"fsdp_units={plan.units} (blocks of {', '.join(plan.block_class) or 'none'} + root); "
         f"largest unit {_human(plan.largest_unit_params)} params",
-        "estimated bytes per rank:",
+        f"precision={plan.precision}; estimated bytes per rank:",
     ]
     for name, value in plan.bytes.items():
-        lines.append(f"  {name:<72} {_bytes(value)}")
-    lines.append(f"  {'device total':<72} {_bytes(plan.device_bytes)}")
+        lines.append(f"  {plan.labels.get(name, name):<78} {_bytes(value)}")
+    lines.append(f"  {'device peak (larger of backward and optimizer-step phases)':<78} {_bytes(plan.device_bytes)}")
     if plan.host_bytes:
-        lines.append(f"  {'host total (offloaded)':<72} {_bytes(plan.host_bytes)}")
+        lines.append(f"  {'host total (offloaded)':<78} {_bytes(plan.host_bytes)}")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def plan_report(plan: ShardingPlan, **extra) -> dict:
+    """The plan as a JSON-ready dict (``--training.dry_run_report``): world_size, cpu_offload,
+    per_rank_bytes (category -> bytes), per_rank_total_bytes (the device peak), and more."""
+    return {"world_size": plan.world_size, "cpu_offload": plan.host_bytes > 0, "precision": plan.precision,
+            "layout": {"dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "cp": plan.cp, "tp": plan.tp,
+                       "ep": plan.ep, "efsdp": plan.efsdp},
+            "total_params": plan.total_params, "params_per_rank": plan.params_per_rank,
+            "per_rank_bytes": {k: int(v) for k, v in plan.bytes.items()},
+            "per_rank_total_bytes": int(plan.device_bytes), "host_bytes_per_rank": int(plan.host_bytes),
+            "notes": list(plan.notes), **extra}

@@ -1,5 +1,5 @@
 """FSDP2 wrapping of a model: per-block `fully_shard`, meta-device materialisation,
-activation recompute, CPU offload and mixed precision. 0-d parameters, which `fully_shard`
+activation recompute, CPU offload, mixed precision and the precision recipe's parameter dtype. 0-d parameters, which `fully_shard`
 refuses, stay whole on every rank (`hyperacc.replicated`).
 
 Why per block: each transformer block becomes one all-gather/reduce-scatter unit, so only one
@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from hyperacc.config import FSDPConfig
+from hyperacc.precision import get_recipe
 from hyperacc.replicated import replicate_scalars, scalar_parameters
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,11 +47,20 @@ def enable_recompute(blocks: Iterable[nn.Module]) -> None:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store every floating-point parameter in ``dtype``, in place (ties and identities kept; buffers
+    such as RoPE frequencies keep their own dtype). Works on the meta device."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
 def _policies(config: FSDPConfig, device_type: str) -> dict:
     kwargs = {"reshard_after_forward": config.reshard_after_forward}
-    if config.mixed_precision:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[config.mixed_precision],
-                                                   reduce_dtype=torch.float32)
+    if config.mixed_precision or get_recipe(config.precision).low_precision:
+        # Gradients are always reduced in fp32 (bf16 ones are cast back to the parameters' dtype).
+        compute = _DTYPES.get(config.mixed_precision)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     if config.cpu_offload:
         if device_type == "cpu":
             warnings.warn("FSDPConfig.cpu_offload=True is ignored on a CPU-only run: parameters, "
@@ -96,6 +106,7 @@ def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device
     on_meta = any(p.is_meta for p in model.parameters())
     if not on_meta:
         model.to(device)
+    cast_parameters(model, get_recipe(config.precision).param_dtype)
     kwargs = _policies(config, device.type)
     scalars = scalar_parameters(model)      # fully_shard refuses 0-d parameters: kept whole (replicated)
     if scalars and info is not None and info.parallel.tp_size > 1:
@@ -135,15 +146,17 @@ def _module_seed(seed: int, name: str) -> int:
 
 
 def _full_size_copy(module: nn.Module) -> nn.Module:
-    """A shallow copy of ``module`` owning fresh, full-size CPU tensors (no children)."""
+    """A shallow copy of ``module`` owning fresh, full-size CPU tensors (no children). Floating
+    parameters are fp32 whatever the recipe stores, so every recipe starts from the same weights."""
     # Not copy.copy: an FSDP unit's class re-runs __init__ without arguments in __new__.
     clone = object.__new__(type(module))
     clone.__dict__.update(module.__dict__)
     clone._modules = {}
     # A DTensor reports its global shape; None entries (e.g. a Linear without bias) stay None.
     clone._parameters = {
-        name: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
-                                                  requires_grad=p.requires_grad)
+        name: None if p is None else nn.Parameter(
+            torch.empty(p.shape, dtype=torch.float32 if p.is_floating_point() else p.dtype),
+            requires_grad=p.requires_grad)
         for name, p in module._parameters.items()}
     # nn.Module's own dicts (private, no public way to give a shallow clone new parameters/buffers)
     clone._buffers = {name: None if b is None else torch.empty(b.shape, dtype=b.dtype)

@@ -1,6 +1,5 @@
-"""Checkpointer: the one object the Accelerator talks to. It wires policy, storage, discovery,
-buckets, RNG, export, integrity, the directory lock and containment together; each of those lives
-in its own module."""
+"""Checkpointer: the one object the Accelerator talks to. It wires policy, storage, discovery, buckets,
+RNG, export, integrity, the directory lock and containment together; each lives in its own module."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -51,6 +50,7 @@ class TrainState:
     dp_rank: int = 0
     dp_size: int = 1
     seed: int = 0
+    precision: str = "fp32_master"      # the recipe (hyperacc.precision), recorded with every save
 
 
 class Checkpointer:
@@ -206,7 +206,7 @@ class Checkpointer:
                     "models": len(models), "optimizers": len(optimizers),
                     "schedulers": len(buckets.as_list(state.schedulers)) if layout != "none" else 0,
                     "world_size": _comm.world_size(), "dp_size": int(state.dp_size),
-                    "peft": bool(cfg.is_peft), "seed": int(state.seed)})
+                    "peft": bool(cfg.is_peft), "seed": int(state.seed), "precision": state.precision})
             return digests
 
         digests = _comm.run_on_every_rank(write_own_files, self.cpu_group)   # one rank failing stops all

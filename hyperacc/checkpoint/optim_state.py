@@ -117,9 +117,17 @@ def split_state_key(rest: str, names: List[str]) -> tuple:
 
 
 # --------------------------------------------------------------------------- load: tensors
+def live_state_dtype(optimizer, param: torch.Tensor) -> torch.dtype:
+    """The dtype ``optimizer`` keeps a parameter-shaped state in: `hyperacc.optim.AdamW`'s
+    ``state_dtype``, else the parameter's own (torch's optimizers use ``zeros_like(param)``)."""
+    return getattr(optimizer, "state_dtype", None) or param.dtype
+
+
 def state_template(owner: nn.Module, optimizer, structure: dict) -> dict:
     """Buffers for exactly the saved state entries: shaped like the parameter (a DTensor with its
-    placements, so DCP reshards) when the sizes agree, else a plain tensor of the saved size."""
+    placements, so DCP reshards) and in the dtype the live optimizer keeps (DCP casts a checkpoint
+    saved under another precision recipe as it loads) when the sizes agree, else a plain tensor of
+    the saved size and dtype."""
     names = param_names(owner)
     by_name = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
     state: Dict[str, dict] = {}
@@ -132,7 +140,7 @@ def state_template(owner: nn.Module, optimizer, structure: dict) -> dict:
         if spec[0] == "bytes":
             value = None
         elif tuple(spec[1]) == tuple(param.shape):
-            value = torch.empty_like(param.detach(), dtype=spec[2])
+            value = torch.empty_like(param.detach(), dtype=live_state_dtype(optimizer, param))
         else:
             value = torch.empty(spec[1], dtype=spec[2])
         state.setdefault(name, {})[key] = value

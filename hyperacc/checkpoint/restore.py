@@ -78,6 +78,11 @@ def plan_load(cfg, path: str, model_keys, live_groups: List[List[List[str]]], st
         logger.info("%s holds weights only: optimizer, schedule, loader and progress start fresh.", path)
         return {"path": path, "saved_optimizers": 0, "optim": [], "layout": "none", "model_only": True,
                 "saved_world_size": None, "saved_dp_size": None, "embedded_numel": None, "same_topology": False}
+    saved_precision = sentinel.get("precision")
+    if saved_precision and saved_precision != state.precision:
+        warn0(f"checkpoint {path} was saved under precision={saved_precision!r} and this run uses "
+              f"{state.precision!r}: its parameters and optimizer states are cast to this run's dtypes as "
+              "they load.")
     n_optimizers = len(live_groups)
     saved_optimizers = sentinel.get("optimizers")
     if saved_optimizers is None:

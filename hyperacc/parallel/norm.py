@@ -14,6 +14,8 @@ from typing import List
 import torch
 from torch.distributed.tensor import DTensor
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
 
 def group_by_mesh(params) -> List[list]:
     """Parameters grouped by their gradient's device mesh (plain tensors in a group of their own),
@@ -31,7 +33,12 @@ def total_norm(groups: List[list], norm_type: float = 2.0) -> torch.Tensor:
     norm_type = float(norm_type)
     norms = []
     for params in groups:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type, foreach=True)
+        grads = [p.grad for p in params]
+        if any(g.dtype in _LOW_PRECISION for g in grads):     # bf16 gradients: every norm in fp32
+            norm = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]), norm_type)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         norms.append(norm)

@@ -1,0 +1,116 @@
+"""AdamW for parameters stored in bf16: fp32 arithmetic, moments in a chosen dtype, rounded writes.
+
+torch's AdamW keeps its moments in the parameter's dtype and updates in it, so bf16 parameters get
+bf16 moments and round-to-nearest updates, and there is no way to ask for more. This AdamW computes
+every update in fp32 from fp32 copies of the parameter, gradient and moments (one parameter at a
+time, so the copies are transient), stores the moments in ``state_dtype`` and writes the parameter
+back rounded to nearest or stochastically. With fp32 parameters and fp32 moments it performs
+exactly the operations of ``torch.optim.AdamW(foreach=False)`` in the same order (bitwise equal).
+
+Stochastic rounding draws its random bits from a generator seeded by (seed, step, parameter index,
+shard coordinate): no RNG state to checkpoint, and a resumed run rounds exactly as the uninterrupted
+one did. Its state entries (``step``, ``exp_avg``, ``exp_avg_sq``) are named as torch's, so
+checkpoints convert between the two by a cast.
+
+``state_dtype`` / ``stochastic_rounding`` left as None follow the Accelerator's precision recipe at
+``prepare`` (fp32 moments, round to nearest when never prepared).
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["AdamW", "stochastic_round_"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def stochastic_round_(target: torch.Tensor, value: torch.Tensor, generator: torch.Generator) -> None:
+    """Write fp32 ``value`` into bf16 ``target``, rounding each element up or down with probability
+    proportional to its distance: add 16 random bits below bf16's mantissa, then truncate."""
+    bits = value.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=generator)
+    rounded = (bits + noise).bitwise_and_(-65536)          # 0xFFFF0000: keep sign, exponent, 7 mantissa bits
+    target.copy_(rounded.view(torch.float32))               # exact: the low 16 bits are zero
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) that is exact for bf16 parameters; see the module docstring."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, state_dtype: Optional[torch.dtype] = None,
+                 stochastic_rounding: Optional[bool] = None, seed: int = 0):
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"AdamW: lr={lr}, eps={eps} and weight_decay={weight_decay} must be >= 0.")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"AdamW: betas={tuple(betas)} must lie in [0, 1).")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.state_dtype = state_dtype
+        self.stochastic_rounding = stochastic_rounding
+        self.seed = int(seed)
+
+    def follow_recipe(self, recipe) -> None:
+        """Take the recipe's moment dtype and rounding for whatever the constructor left unset."""
+        if self.state_dtype is None:
+            self.state_dtype = recipe.state_dtype
+        if self.stochastic_rounding is None:
+            self.stochastic_rounding = recipe.stochastic_rounding
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = 0
+        for group in self.param_groups:
+            for param in group["params"]:
+                index += 1
+                if param.grad is not None:
+                    self._update(param, group, index)
+        return loss
+
+    def _new_state(self, param: torch.Tensor) -> dict:
+        dtype = self.state_dtype or torch.float32
+        return {"step": torch.tensor(0.0, dtype=torch.float32),
+                "exp_avg": torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)}
+
+    def _update(self, param: torch.Tensor, group: dict, index: int) -> None:
+        state = self.state[param]
+        if not state:
+            state.update(self._new_state(param))
+        state["step"] += 1
+        step = float(state["step"])
+        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        stored, grad = _local(param), _local(param.grad).float()
+        m_stored, v_stored = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+        p = stored.float()              # a copy unless fp32: then the update is in place, as torch's
+        m, v = m_stored.float(), v_stored.float()
+        # torch.optim.AdamW's single-tensor operations, in its order
+        p.mul_(1 - lr * decay)
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (v.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
+        for target, value in ((m_stored, m), (v_stored, v)):
+            if target.data_ptr() != value.data_ptr():
+                target.copy_(value)
+        if p.data_ptr() == stored.data_ptr():
+            return
+        if self.stochastic_rounding and stored.dtype == torch.bfloat16:
+            stochastic_round_(stored, p, self._generator(param, int(step), index))
+        else:
+            stored.copy_(p)
+
+    def _generator(self, param: torch.Tensor, step: int, index: int) -> torch.Generator:
+        where = tuple(param.device_mesh.get_coordinate() or ()) if isinstance(param, DTensor) else ()
+        seed = zlib.crc32(f"{self.seed}:{step}:{index}:{where}".encode())
+        generator = torch.Generator(device=_local(param).device)
+        generator.manual_seed(seed)
+        return generator
