@@ -6,16 +6,20 @@ chunks; replicas under HSDP hold the same shard). With ``tp > 1`` the parameters
 splits are 1/tp first; with ``ep > 1`` the experts are 1/ep per rank (whole experts) and
 FSDP-sharded over efsdp = dp_shard*cp*tp/ep instead.
 
-Bytes per rank (``plan_sharding(...).bytes``), in two phases whose larger sum is the peak:
+Bytes per rank (``plan_sharding(...).bytes``), by category:
   persistent: sharded parameters, gradients and AdamW's two moments, in the recipe's dtypes
     (`hyperacc.precision`);
-  backward (the peak of forward + backward): the root unit all-gathered (it is not resharded
-    after forward) plus two block units (the running one and the prefetched one; every unit when
+  transients of forward + backward: the root unit all-gathered (it is not resharded after
+    forward) plus two block units (the running one and the prefetched one; every unit when
     ``reshard_after_forward`` is off), one unit's unsharded gradients in the compute dtype plus
     the fp32 reduce-scatter buffer FSDP2 copies them into, and the activations autograd saves;
   optimizer step: what the optimizer allocates while it runs -- fp32 copies of one parameter
     shard for `hyperacc.optim.AdamW` (or torch's single-tensor AdamW on CPU), one moment-sized
     temporary of every parameter for torch's foreach AdamW on accelerators.
+The device peak is the larger of two phases: backward = parameters + moments + the transients +
+the larger of activations and gradients (backward starts with every activation and no gradient
+and ends the other way round; ``zero_grad`` frees the previous step's), and the optimizer step =
+parameters + gradients + moments + its own transient.
 
 Activations are counted per token from the tensors a Qwen3-style block saves for backward
 (RMSNorm upcasts to fp32, q/k norms and RoPE, attention inputs/outputs, the router's fp32 softmax,
@@ -42,8 +46,6 @@ __all__ = ["ShardingPlan", "plan_sharding", "format_plan", "plan_report"]
 
 _COMPUTE_BYTES = {"bf16": 2, "fp16": 2}
 PERSISTENT = ("params", "grads", "optimizer states")
-BACKWARD = ("all-gathered units", "unsharded grads", "activations")
-OPTIMIZER_STEP = ("optimizer step",)
 
 
 @dataclasses.dataclass
@@ -87,15 +89,14 @@ _TP_SPLITS = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "row
 
 def _parallel_shares(model: nn.Module, tp: int, ep: int) -> Dict[str, tuple]:
     """Parameter name -> (divisor before FSDP, is_expert) under the model's own TP/EP plans."""
-    from hyperacc.parallel.expert import DISPATCH_STYLE, check_expert_parallel
-    from hyperacc.parallel.plans import drop_covered, expand_plan, model_plan
-    from hyperacc.parallel.tensor import check_tensor_parallel
+    from hyperacc.parallel.expert import DISPATCH_STYLE, check_expert_parallel, expert_parallel_plan
+    from hyperacc.parallel.tensor import check_tensor_parallel, tensor_parallel_plan
 
     check_tensor_parallel(model, tp)
     check_expert_parallel(model, ep)
     params = dict(model.named_parameters())
-    ep_plan = expand_plan(model, model_plan(model, "ep")) if ep > 1 else {}
-    tp_plan = drop_covered(expand_plan(model, model_plan(model, "tp")), ep_plan) if tp > 1 else {}
+    ep_plan = expert_parallel_plan(model, ep)
+    tp_plan = tensor_parallel_plan(model, ep_plan) if tp > 1 else {}   # what sharding applies (packed experts whole)
     shares = {name: (1, False) for name in params}
     for name, style in tp_plan.items():
         if name in params and style in _TP_SPLITS and not (style.startswith("rowwise") and name.endswith("bias")):
@@ -146,9 +147,12 @@ def activation_bytes(config, *, tokens: int, seq_len: int, micro_batch_size: int
 
 
 def _optimizer_step_bytes(recipe, local_params: int, largest_local: int, device_type: str) -> tuple:
-    if recipe.low_precision or device_type == "cpu":      # one parameter at a time
-        copies = 5 if recipe.low_precision else 1         # fp32 param, grad, moments, denominator
-        return 4.0 * copies * largest_local, "fp32 temporaries of the largest parameter shard"
+    from hyperacc.optim import CHUNK
+
+    if recipe.low_precision:        # hyperacc.optim.AdamW: fp32 param, grad, moments, sqrt, denominator
+        return 4.0 * 6 * min(largest_local, CHUNK), "fp32 copies of one parameter piece (hyperacc AdamW)"
+    if device_type == "cpu":        # torch's single-tensor AdamW: the square root and the denominator
+        return 4.0 * 2 * largest_local, "torch AdamW's temporaries for the largest parameter shard"
     return float(torch.empty((), dtype=recipe.state_dtype).element_size() * local_params), \
         "foreach AdamW: one moment-sized temporary of every parameter"
 
@@ -277,7 +281,11 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
     if cpu_offload:
         notes.append("cpu_offload: parameters, gradients and optimizer states live in host memory "
                      "(the optimizer step runs there too)")
-    backward = on_device + sum(sizes.get(k, 0.0) for k in BACKWARD)
+    # Backward starts with every activation saved and no gradient, and ends the other way round: the
+    # sharded gradients grow as the activations are freed, so the phase holds the larger of the two.
+    grads_or_acts = max(sizes.get("activations", 0.0), 0.0 if cpu_offload else sizes["grads"])
+    backward = on_device - (0.0 if cpu_offload else sizes["grads"]) + grads_or_acts + sum(
+        sizes[k] for k in ("all-gathered units", "unsharded grads"))
     step = on_device + (0.0 if cpu_offload else sizes["optimizer step"])
     if not blocks:
         notes.append(f"no module of class {names} found: the whole model is one FSDP unit")

@@ -87,30 +87,49 @@ class AdamW(torch.optim.Optimizer):
             state.update(self._new_state(param))
         state["step"] += 1
         step = float(state["step"])
-        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        stored, grad = _local(param), _local(param.grad).float()
-        m_stored, v_stored = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-        p = stored.float()              # a copy unless fp32: then the update is in place, as torch's
-        m, v = m_stored.float(), v_stored.float()
-        # torch.optim.AdamW's single-tensor operations, in its order
-        p.mul_(1 - lr * decay)
-        m.lerp_(grad, 1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (v.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
-        p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
-        for target, value in ((m_stored, m), (v_stored, v)):
-            if target.data_ptr() != value.data_ptr():
-                target.copy_(value)
-        if p.data_ptr() == stored.data_ptr():
-            return
-        if self.stochastic_rounding and stored.dtype == torch.bfloat16:
-            stochastic_round_(stored, p, self._generator(param, int(step), index))
-        else:
-            stored.copy_(p)
+        tensors = [_local(param), _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"])]
+        for n, pieces in enumerate(_chunks(tensors)):
+            generator = None
+            if self.stochastic_rounding and tensors[0].dtype == torch.bfloat16:
+                generator = self._generator(param, int(step), index, n)
+            _adamw_(*pieces, group, step, generator)
 
-    def _generator(self, param: torch.Tensor, step: int, index: int) -> torch.Generator:
+    def _generator(self, param: torch.Tensor, step: int, index: int, chunk: int) -> torch.Generator:
         where = tuple(param.device_mesh.get_coordinate() or ()) if isinstance(param, DTensor) else ()
-        seed = zlib.crc32(f"{self.seed}:{step}:{index}:{where}".encode())
+        seed = zlib.crc32(f"{self.seed}:{step}:{index}:{chunk}:{where}".encode())
         generator = torch.Generator(device=_local(param).device)
         generator.manual_seed(seed)
         return generator
+
+
+CHUNK = 1 << 22     # elements updated at a time: the fp32 copies of a huge shard stay ~100 MB
+
+
+def _chunks(tensors):
+    """The same flat slices of each tensor (all contiguous and of one shape), or the whole tensors."""
+    numel = tensors[0].numel()
+    if numel <= CHUNK or not all(t.is_contiguous() and t.shape == tensors[0].shape for t in tensors):
+        return [tensors]
+    flat = [t.view(-1) for t in tensors]
+    return [[f[start:start + CHUNK] for f in flat] for start in range(0, numel, CHUNK)]
+
+
+def _adamw_(stored, grad, m_stored, v_stored, group: dict, step: float, generator) -> None:
+    """One AdamW update of one (piece of a) parameter, in fp32, written back into the stored dtypes."""
+    lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    grad = grad.float()
+    p = stored.float()              # a copy unless fp32: then the update is in place, as torch's
+    m, v = m_stored.float(), v_stored.float()
+    # torch.optim.AdamW's single-tensor operations, in its order
+    p.mul_(1 - lr * decay)
+    m.lerp_(grad, 1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (v.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
+    for target, value in ((m_stored, m), (v_stored, v), (stored, p)):
+        if target is value or target.data_ptr() == value.data_ptr():
+            continue
+        if generator is not None and target is stored:
+            stochastic_round_(stored, p, generator)
+        else:
+            target.copy_(value)

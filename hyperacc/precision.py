@@ -79,11 +79,6 @@ def check_recipe(recipe: Recipe, *, mixed_precision: Optional[str], device_type:
                  has_loss_scaler: bool) -> None:
     """One ValueError naming the problem and the fix when this device cannot run ``recipe`` with
     ``mixed_precision`` (called before any collective)."""
-    uses_bf16 = recipe.low_precision or mixed_precision == "bf16"
-    if uses_bf16 and not _bf16_supported(device_type):
-        raise ValueError(f"precision={recipe.name!r} with mixed_precision={mixed_precision!r} needs bf16, which "
-                         f"this {device_type} device does not support. Fix: precision='fp32_master' with "
-                         "mixed_precision='fp16' (and its loss scaler) or no mixed precision.")
     if mixed_precision == "fp16":
         if recipe.low_precision:
             raise ValueError(f"precision={recipe.name!r} stores bf16 parameters, which cannot compute in "
@@ -92,7 +87,11 @@ def check_recipe(recipe: Recipe, *, mixed_precision: Optional[str], device_type:
             raise ValueError("mixed_precision='fp16' without a loss scaler: fp16 gradients under- and "
                              f"overflow silently, and no scaler exists on {device_type}. Fix: "
                              "mixed_precision='bf16' (no scaler needed).")
-
+    uses_bf16 = recipe.low_precision or mixed_precision == "bf16"
+    if uses_bf16 and not _bf16_supported(device_type):
+        raise ValueError(f"precision={recipe.name!r} with mixed_precision={mixed_precision!r} needs bf16, which "
+                         f"this {device_type} device does not support. Fix: precision='fp32_master' with "
+                         "mixed_precision='fp16' (and its loss scaler) or no mixed precision.")
 
 
 def adapt_optimizer(optimizer, recipe: Recipe) -> None:

@@ -1,0 +1,82 @@
+"""Train a tiny Qwen3-MoE under a precision recipe on real FSDP2 processes; report dtypes and losses.
+
+    torchrun --nproc_per_node=2 precision_run.py OUT.json --precision bf16_sr --ckpt DIR --steps 4
+        [--save-steps 2] [--restore PATH] [--export DIR]
+Rank 0 writes OUT.json: per-step loss and grad norm, the dtypes of parameters, gradients and AdamW
+states as they are during training, and the warnings raised by load_state.
+"""
+import argparse
+import json
+import warnings
+
+import torch
+
+import hyperacc
+from hyperacc.models import build_causal_lm, qwen3_moe_config
+from hyperacc.optim import AdamW
+
+SEQ, VOCAB = 16, 512
+
+
+class Tokens:
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):      # counting from a random start: learnable in a few steps
+        start = torch.randint(0, VOCAB, (1,), generator=torch.Generator().manual_seed(100 + i))
+        ids = (start + torch.arange(SEQ)) % VOCAB
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def dtypes(tensors):
+    return sorted({str(t.dtype).replace("torch.", "") for t in tensors})
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--precision", required=True)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--save-steps", type=int, default=0)
+    p.add_argument("--restore", default=None)
+    p.add_argument("--export", default=None)
+    args = p.parse_args()
+
+    acc = hyperacc.Accelerator(
+        fsdp=hyperacc.FSDPConfig(precision=args.precision),
+        checkpoint=hyperacc.CheckpointConfig(checkpoint_dir=args.ckpt, save_steps=args.save_steps, save_epochs=0,
+                                             restore_from=args.restore), seed=3)
+    model = build_causal_lm(qwen3_moe_config(), meta_device=True, router_aux_loss=False)
+    optimizer = AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    loader = hyperacc.MicroBatchDataLoader(Tokens(), global_batch_size=4, micro_batch_size=1, seed=5)
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.load_state()
+    record = {"start": acc.progress.global_step, "steps": {}, "warnings": [str(w.message) for w in caught],
+              "param_dtypes": dtypes(model.parameters())}
+    for batch in loader:
+        if acc.progress.global_step >= args.steps:
+            break
+        with acc.accumulate(model, batch) as micro_batches:
+            for mb in micro_batches:
+                acc.backward(model(**mb).loss)
+        record["grad_dtypes"] = dtypes(p.grad for p in model.parameters() if p.grad is not None)
+        norm = acc.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        record["steps"][acc.progress.global_step] = {"loss": acc.step_loss, "grad_norm": float(norm)}
+        acc.step_end()
+    record["state_dtypes"] = dtypes(v for s in optimizer.optimizer.state.values() for k, v in s.items() if k != "step")
+    record["stochastic_rounding"] = optimizer.optimizer.stochastic_rounding
+    if args.export:
+        acc.save_model(model, args.export)
+    acc.end_training()
+    if acc.is_main_process:
+        with open(args.out, "w") as handle:
+            json.dump(record, handle)
+
+
+if __name__ == "__main__":
+    main()
