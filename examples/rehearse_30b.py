@@ -87,7 +87,7 @@ class MemoryWatch:
 
 def train(layout: str, weights: str, out: str, steps: int, *, restore: str = None) -> dict:
     name = "b" if restore else "a"
-    flags = [f"--model.name_or_path={weights}", "--data.dataset=null", "--data.tokenizer=null",
+    flags = [f"--model.name_or_path={weights}", "--data.dataset=null", "--data.tokenizer=default",
              "--data.seq_len=128", "--data.num_proc=1",
              f"--parallel.ep_size={LAYOUTS[layout]['ep_size']}", "--fsdp.precision=bf16_sr",
              f"--training.max_steps={steps}", "--training.global_batch_size=8", "--training.micro_batch_size=1",

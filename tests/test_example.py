@@ -137,4 +137,4 @@ def test_30b_dry_run_for_8_ranks():
     assert 30.4e9 < total < 30.7e9
     assert total / 8 <= per_rank < total / 8 * 1.01
     assert "dry run: world_size=8" in proc.stdout
-    assert "optimizer (AdamW" in proc.stdout and "device total" in proc.stdout
+    assert "optimizer states (AdamW" in proc.stdout and "device peak" in proc.stdout

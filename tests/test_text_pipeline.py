@@ -50,6 +50,14 @@ def test_from_pretrained_tokenizer_matches_default(tok, tok_dir):
         load_tokenizer(os.path.join(tok_dir, "no_such_tokenizer"))
 
 
+def test_a_weights_directory_without_tokenizer_files_is_refused(tmp_path):
+    # transformers builds an empty tokenizer from a directory with only config.json: text -> no tokens
+    from hyperacc.models import qwen3_moe_config
+    qwen3_moe_config().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="is empty .* no tokenizer files"):
+        load_tokenizer(str(tmp_path))
+
+
 def test_jsonl_samples_equal_concatenated_stream(tok, jsonl):
     ds = build_text_dataset(jsonl, tok, 16, holdout_fraction=0.0)
     stream = _expected_stream(tok, TEXTS)

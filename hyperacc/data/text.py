@@ -72,6 +72,11 @@ def load_tokenizer(tokenizer=None, *, vocab_size: int = DEFAULT_VOCAB_SIZE, cach
                 f"tokenizer. ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
     else:
         tok = tokenizer
+    if len(tok) < 2 or not tok("hello world")["input_ids"]:
+        # transformers builds an empty tokenizer from a directory holding only a model's config.json
+        raise ValueError(f"tokenizer {getattr(tok, 'name_or_path', tok)!r} is empty ({len(tok)} entries; it turns "
+                         "text into no tokens): the directory has no tokenizer files. Pass a tokenizer directory "
+                         "or hub id, or 'default' for the embedded tokenizer.")
     if getattr(tok, "eos_token_id", None) is None:
         raise ValueError(f"tokenizer {getattr(tok, 'name_or_path', tok)!r} has no EOS token, which is appended "
                          f"to every document; set one (tokenizer.eos_token = '...') before building the data")
