@@ -28,9 +28,12 @@ class ModelConfig:
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     attn_implementation: Optional[str] = None
     # MoE models only: the experts kernel ("grouped_mm", "eager" = per-expert loop, "batched_mm";
-    # None = transformers' default) and the router's load-balancing loss (coefficient from the config).
+    # None = transformers' default) and the router's load-balancing loss (coefficient from the config):
+    # "sequence" (per sequence, the same in every layout), "micro_batch" (transformers' own: over each
+    # forward's tokens, so it changes with the micro-batch size and the cp split) or "off";
+    # None = "sequence" for MoE models (an explicit mode on a dense model is an error).
     experts_implementation: Optional[str] = "grouped_mm"
-    router_aux_loss: bool = True
+    router_aux_loss: Optional[Literal["sequence", "micro_batch", "off"]] = None
 
 
 @dataclasses.dataclass

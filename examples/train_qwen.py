@@ -93,21 +93,19 @@ def build_model(cfg, vocab_size=None, accelerator=None):
     """On the meta device (random init after sharding), or, with ``accelerator``, the pretrained
     weights when present (a directory or a hub id in the local cache; each rank later reads only its
     own shards of them in ``prepare``). Without one (planning) the pretrained config, on meta."""
-    import torch
     from hyperacc.models import build_causal_lm, has_pretrained_weights, load_pretrained, with_router_aux_loss
-
     from hyperacc.precision import get_recipe
 
     path = cfg.model.name_or_path
     if path and accelerator is not None and has_pretrained_weights(path):
         model = load_pretrained(path, accelerator=accelerator, dtype=get_recipe(cfg.fsdp.precision).param_dtype)
         model.config.use_cache = False
-        model.config = with_router_aux_loss(model.config, cfg.model.router_aux_loss)
+        model.config = with_router_aux_loss(model.config, cfg.model.router_aux_loss != "off")
         return model
     config = model_config(cfg, vocab_size)
     moe = hasattr(config, "router_aux_loss_coef")
     return build_causal_lm(config, meta_device=True, attn_implementation=cfg.model.attn_implementation or "eager",
-                           router_aux_loss=cfg.model.router_aux_loss,
+                           router_aux_loss=cfg.model.router_aux_loss != "off",
                            experts_implementation=cfg.model.experts_implementation if moe else None)
 
 
@@ -203,6 +201,7 @@ def preflight(cfg, world_size):
         config = collect(_model_config_or_error, cfg, len(tokenizer))
         if config is not None:
             collect(check_model_config, config, tokenizer_size=len(tokenizer))
+            collect(_check_router_aux, cfg, config)
         if cfg.training.device_memory_gb is not None and not problems:
             from hyperacc.runtime import detect_device_type
             collect(lambda: check_fits(cfg, memory_plan(cfg, world_size, len(tokenizer), detect_device_type())))
@@ -217,6 +216,13 @@ def _model_config_or_error(cfg, vocab_size):
         return model_config(cfg, vocab_size=vocab_size)
     except (OSError, ValueError, TypeError) as err:
         raise ConfigError(f"model: {' '.join(str(err).split())}") from None
+
+
+def _check_router_aux(cfg, config):
+    mode = cfg.model.router_aux_loss
+    if mode in ("sequence", "micro_batch") and not hasattr(config, "router_aux_loss_coef"):
+        raise ConfigError(f"model.router_aux_loss={mode} but {type(config).__name__} is a dense model (no MoE "
+                          "router). Fix: drop --model.router_aux_loss (or set it to off).")
 
 
 def _check_parallel(cfg, world_size):
@@ -277,7 +283,9 @@ def train(cfg, tokenizer):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
 
-    acc = hyperacc.Accelerator(parallel=cfg.parallel, fsdp=cfg.fsdp, checkpoint=cfg.checkpoint, seed=t.seed)
+    aux = cfg.model.router_aux_loss
+    acc = hyperacc.Accelerator(parallel=cfg.parallel, fsdp=cfg.fsdp, checkpoint=cfg.checkpoint, seed=t.seed,
+                               router_aux_loss=aux if aux in ("sequence", "micro_batch") else None)
     acc.print(format_config(cfg))
     # Written atomically into each checkpoint, and as <checkpoint_dir>/config.yaml once a resume is accepted.
     acc.set_run_config(yaml.safe_dump(dump_config(cfg), sort_keys=False))

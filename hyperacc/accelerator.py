@@ -19,7 +19,7 @@ import accelerate
 from accelerate.utils import set_seed
 import torch
 
-from hyperacc import compat, parallel, precision, weights
+from hyperacc import compat, parallel, precision, router_aux, weights
 from hyperacc import runtime as runtime_lib
 from hyperacc.accumulation import GradientAccumulator
 from hyperacc.launch_env import env_value
@@ -41,7 +41,8 @@ class Accelerator(accelerate.Accelerator):
 
     Takes every argument of `accelerate.Accelerator` with its meaning (`fsdp_plugin` and
     `parallelism_config` become hyperacc's FSDPConfig/ParallelConfig), plus hyperacc's own
-    keyword-only `parallel`, `fsdp`, `checkpoint`, `seed` and `device_type`, which win over them.
+    keyword-only `parallel`, `fsdp`, `checkpoint`, `seed`, `device_type` and `router_aux_loss` (MoE
+    load balancing: "sequence", the default, or "micro_batch"; `hyperacc.router_aux`), which win.
     Unset values come from the `accelerate launch` environment, else from the defaults.
     """
 
@@ -53,7 +54,8 @@ class Accelerator(accelerate.Accelerator):
                  kwargs_handlers=None, dynamo_backend=None, dynamo_plugin=None, deepspeed_plugins=None,
                  parallelism_config=None, *, parallel: Optional[ParallelConfig] = None,
                  fsdp: Optional[FSDPConfig] = None, checkpoint: Optional[CheckpointConfig] = None,
-                 seed: Optional[int] = None, device_type: Optional[str] = None):
+                 seed: Optional[int] = None, device_type: Optional[str] = None,
+                 router_aux_loss: Optional[str] = None):
         compat.refuse_unsupported_plugins(deepspeed_plugin=deepspeed_plugin, deepspeed_plugins=deepspeed_plugins,
                                           megatron_lm_plugin=megatron_lm_plugin, torch_tp_plugin=torch_tp_plugin)
         compat.warn_dynamo(dynamo_backend, dynamo_plugin)
@@ -63,16 +65,13 @@ class Accelerator(accelerate.Accelerator):
             fsdp_plugin=fsdp_plugin, mixed_precision=mixed_precision)
         self._checkpoint_policy_configured = checkpoint is not None or compat.checkpoint_env_given()
         self.seed = DEFAULT_SEED if seed is None else int(seed)
+        self._router_aux_mode = router_aux_loss
 
         # Validate the parallel sizes against the world, then start the process group: both before
         # accelerate builds its state, so that the state describes this job.
-        world = int(env_value("WORLD_SIZE", "1"))
-        if torch.distributed.is_initialized():
-            world = torch.distributed.get_world_size()
-        self.parallel_config.resolved(world)
-        if cpu and device_type is None:
-            device_type = "cpu"
-        self.runtime = runtime_lib.init_runtime(device_type)
+        dist = torch.distributed
+        self.parallel_config.resolved(dist.get_world_size() if dist.is_initialized() else int(env_value("WORLD_SIZE", "1")))
+        self.runtime = runtime_lib.init_runtime("cpu" if cpu and device_type is None else device_type)
         compat.check_no_stale_state(self.runtime.world_size)
         with compat.accelerate_switches_off():
             super().__init__(
@@ -84,9 +83,8 @@ class Accelerator(accelerate.Accelerator):
                 gradient_accumulation_plugin=gradient_accumulation_plugin,
                 step_scheduler_with_optimizer=step_scheduler_with_optimizer, kwargs_handlers=kwargs_handlers)
         compat.mark_state_fsdp2(self.state, fsdp_plugin)
-        self.recipe = precision.get_recipe(self.fsdp_config.precision)
-        precision.check_recipe(self.recipe, mixed_precision=self.fsdp_config.mixed_precision,
-                               device_type=self.runtime.device_type, has_loss_scaler=self.scaler is not None)
+        self.recipe = precision.check_recipe(precision.get_recipe(self.fsdp_config.precision), mixed_precision=
+            self.fsdp_config.mixed_precision, device_type=self.runtime.device_type, has_loss_scaler=self.scaler is not None)
         self._mesh = build_mesh(self.parallel_config, self.runtime.world_size, self.runtime.device_type)
         if seed is not None:
             set_seed(self.seed)         # accelerate's: python, numpy, torch and every accelerator
@@ -155,12 +153,14 @@ class Accelerator(accelerate.Accelerator):
             raise ValueError("prepare() was called twice on the same model. Prepare each model once "
                              "and keep using the object it returned.")
         parallel.check_model(model, self._mesh.parallel)      # before any collective
+        aux_mode = router_aux.check_mode(model, self._router_aux_mode)
         if self.num_processes > 1 and rank0_only_weights_expected():
             broadcast_from_rank0(model, self.device)
         originals = dict(model.named_parameters())
         pretrained = weights.source_of(model)     # load_pretrained(..., accelerator=): files fill the shards
         shard_model(model, self._mesh, self.fsdp_config, self.device, self.seed, initialize=pretrained is None)
         weights.fill_shards(model, pretrained)      # each rank reads its own slices; no-op without files
+        router_aux.install(model, aux_mode, self.accumulator.aux_weights)
         self._params.record(model, originals)
         self._models.append(model)
         compat.add_script_conveniences(model, self)

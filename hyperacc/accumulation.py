@@ -238,9 +238,14 @@ class GradientAccumulator:
         self._loss_sum = self._loss_sum + loss.detach().to(torch.float64) * tokens
         return loss * (tokens * self.dp_size / total)
 
+    def aux_weights(self):
+        """(tokens of the step, sequences of the step, tokens of this micro-batch) inside a step,
+        else None: what `hyperacc.router_aux` needs to weight a micro-batch's share of the loss."""
+        return (self.step_tokens, self.step_samples, self._micro_tokens) if self.in_step else None
+
     def record_aux_loss(self, aux_loss) -> None:
         """Weight a micro-batch's MoE router aux loss by its tokens, as its loss (for logging only:
-        transformers already adds ``router_aux_loss_coef * aux_loss`` to the loss)."""
+        the model's loss already holds ``router_aux_loss_coef * aux_loss``)."""
         if aux_loss is None:
             return
         value = aux_loss.detach().to(torch.float64) if torch.is_tensor(aux_loss) else torch.tensor(float(aux_loss))

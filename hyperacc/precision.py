@@ -76,9 +76,9 @@ def _bf16_supported(device_type: str) -> bool:
 
 
 def check_recipe(recipe: Recipe, *, mixed_precision: Optional[str], device_type: str,
-                 has_loss_scaler: bool) -> None:
-    """One ValueError naming the problem and the fix when this device cannot run ``recipe`` with
-    ``mixed_precision`` (called before any collective)."""
+                 has_loss_scaler: bool) -> Recipe:
+    """``recipe``, or one ValueError naming the problem and the fix when this device cannot run it
+    with ``mixed_precision`` (called before any collective)."""
     if mixed_precision == "fp16":
         if recipe.low_precision:
             raise ValueError(f"precision={recipe.name!r} stores bf16 parameters, which cannot compute in "
@@ -92,6 +92,7 @@ def check_recipe(recipe: Recipe, *, mixed_precision: Optional[str], device_type:
         raise ValueError(f"precision={recipe.name!r} with mixed_precision={mixed_precision!r} needs bf16, which "
                          f"this {device_type} device does not support. Fix: precision='fp32_master' with "
                          "mixed_precision='fp16' (and its loss scaler) or no mixed precision.")
+    return recipe
 
 
 def adapt_optimizer(optimizer, recipe: Recipe) -> None:

@@ -43,6 +43,7 @@ import torch.nn as nn
 IGNORE_INDEX = -100
 _KEYS = itertools.count()
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "token_type_ids")
+TOKEN_MASK_KEY = "hyperacc_token_mask"   # the piece's padding mask: for statistics, never for attention
 
 
 def _heads(model: nn.Module):
@@ -123,6 +124,7 @@ class ContextParallel:
     def __init__(self, group, cp_rank: int, cp_size: int):
         self.group, self.rank, self.size = group, cp_rank, cp_size
         self.active = False          # True inside accumulate(model, batch): inputs are shards
+        self.token_mask = None       # this forward's piece of the dropped attention_mask (or None)
 
     @contextlib.contextmanager
     def sharded(self):
@@ -154,6 +156,8 @@ class ContextParallel:
         for name in _SEQUENCE_KEYS:
             if torch.is_tensor(out.get(name)):
                 out[name] = out[name][:, cut]
+        if torch.is_tensor(mask) and mask.dim() == 2:
+            out[TOKEN_MASK_KEY] = mask[:, cut]        # taken off again before the model sees it
         if torch.is_tensor(out.get("labels")):
             labels = micro_batch.get("shift_labels")
             if labels is None:
@@ -167,6 +171,12 @@ class ContextParallel:
         out["position_ids"] = positions[:, cut]
         out["use_cache"] = False
         return out
+
+    def take_token_mask(self, module, args, kwargs):
+        """Forward pre-hook: keep the piece's padding mask (e.g. for `hyperacc.router_aux`), out of
+        the model's arguments."""
+        self.token_mask = kwargs.pop(TOKEN_MASK_KEY, None)
+        return args, kwargs
 
     # ------------------------------------------------------------------ attention
     def wrap(self, inner):
@@ -228,6 +238,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> ContextParallel:
                                                                         ALL_MASK_ATTENTION_FUNCTIONS else "eager"])
     model.set_attn_implementation(name)
     model._hyperacc_context = context
+    model.register_forward_pre_hook(context.take_token_mask, with_kwargs=True)
     return context
 
 

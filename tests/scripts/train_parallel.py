@@ -7,6 +7,7 @@ Usage: train_parallel.py OUT.json LAYOUT [LAYOUT ...] [--steps N] [--recompute L
        [--ckpt DIR] [--save-step K]
        [--no-aux] [--pad-multiple M]
        LAYOUT: e.g. dp4, dp2tp2, dp4ep2, dp2tp2ep4, rep2dp2ep2, dp2cp2, dp1 (letters then sizes);
+       "mb<N>" sets that layout's micro-batch size (default --mbs), e.g. dp1mb4, dp2mb1;
        "dp2tp2<dp4" resumes from the checkpoint layout dp4 saved in DIR (DIR/dp4) and trains on.
        --save-step K: every layout saves its step-K state to DIR/<layout>.
 """
@@ -29,16 +30,16 @@ EXPERTS = 8
 
 def parse_layout(text):
     sizes = {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 1, "ep_size": 1, "cp_size": 1}
-    names = {"rep": "dp_replicate_size", "dp": "dp_shard_size", "tp": "tp_size", "ep": "ep_size", "cp": "cp_size"}
+    names = {"rep": "dp_replicate_size", "dp": "dp_shard_size", "tp": "tp_size", "ep": "ep_size", "cp": "cp_size",
+             "mb": "micro_batch_size"}
     for key, value in re.findall(r"([a-z]+)(\d+)", text):
         sizes[names[key]] = int(value)
     return sizes
 
 
-def model_config(aux=True):
-    # the router aux loss is a statistic of the tokens a rank sees: off when cp splits sequences
+def model_config(aux=True, coef=0.01):
     return qwen3_moe_config(num_experts=EXPERTS, num_experts_per_tok=2, output_router_logits=aux,
-                            router_aux_loss_coef=0.01)
+                            router_aux_loss_coef=coef)
 
 
 def expert_bytes(model):
@@ -53,14 +54,16 @@ def expert_bytes(model):
 def train(spec, args):
     layout, _, source = spec.partition("<")
     sizes = parse_layout(layout)
+    micro_batch_size = sizes.pop("micro_batch_size", args.mbs)
     acc = hyperacc.Accelerator(
         parallel=hyperacc.ParallelConfig(**sizes),
         fsdp=hyperacc.FSDPConfig(activation_checkpointing=spec in args.recompute),
-        checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=7)
-    model = build_causal_lm(model_config(not args.no_aux), meta_device=True, router_aux_loss=not args.no_aux)
+        checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=7, router_aux_loss=args.aux_mode)
+    model = build_causal_lm(model_config(not args.no_aux, args.aux_coef), meta_device=True,
+                            router_aux_loss=not args.no_aux)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loader = hyperacc.MicroBatchDataLoader(TokenDataset(160, True), global_batch_size=args.gbs,
-                                           micro_batch_size=args.mbs, collate_fn=functools.partial(pad_collate, pad_to_multiple_of=args.pad_multiple), seed=3)
+                                           micro_batch_size=micro_batch_size, collate_fn=functools.partial(pad_collate, pad_to_multiple_of=args.pad_multiple), seed=3)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
     if source:
         acc.load_state(os.path.join(args.ckpt, source))
@@ -70,7 +73,7 @@ def train(spec, args):
               "placements": {name: f"{p.device_mesh.mesh_dim_names}:{p.placements}" for name, p in params.items()
                              if name.startswith("model.layers.0.") or "embed" in name or "lm_head" in name},
               "expert_bytes_share": local / total,
-              "losses": [], "aux_losses": [], "grad_norms": [], "tokens": []}
+              "losses": [], "aux_losses": [], "step_aux_losses": [], "grad_norms": [], "tokens": []}
     while acc.progress.global_step < args.steps:
         for batch in loader:
             aux = 0.0
@@ -78,12 +81,13 @@ def train(spec, args):
                 for mb in micro_batches:
                     out = model(**mb)
                     aux += float(out.aux_loss.detach()) if out.aux_loss is not None else 0.0
-                    acc.backward(out.loss)
+                    acc.backward(out.loss, aux_loss=out.aux_loss)
             record["grad_norms"].append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
             optimizer.step()
             optimizer.zero_grad()
             record["losses"].append(acc.step_loss)
             record["aux_losses"].append(aux)
+            record["step_aux_losses"].append(acc.step_aux_loss)
             record["tokens"].append(acc.accumulator.step_tokens)
             if args.save_step and acc.progress.global_step == args.save_step and not source:
                 acc.save_state(os.path.join(args.ckpt, layout))
@@ -106,6 +110,8 @@ def main():
     parser.add_argument("--ckpt")
     parser.add_argument("--save-step", type=int, default=0)
     parser.add_argument("--no-aux", action="store_true")
+    parser.add_argument("--aux-mode", default=None, help="Accelerator(router_aux_loss=...): sequence | micro_batch")
+    parser.add_argument("--aux-coef", type=float, default=0.01)
     parser.add_argument("--pad-multiple", type=int, default=None)
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():

@@ -1,0 +1,120 @@
+"""The sequence-wise MoE load-balancing loss (hyperacc.router_aux): its value against transformers'
+own formula applied to one sequence at a time, and that it is the same in every layout (real
+processes, gloo, fp32) while transformers' per-micro-batch loss is not."""
+import json
+
+import pytest
+import torch
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+import hyperacc
+from dist_utils import REPO, run_python, run_torchrun
+from hyperacc.data.collate import pad_collate
+from hyperacc.models import build_causal_lm, qwen3_moe_config
+
+SCRIPT = REPO / "tests" / "scripts" / "train_parallel.py"
+STEPS, RTOL, COEF = 6, 1e-5, 0.05
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for length in (12, 7, 16, 3):                      # right padding inside the batch
+        ids = torch.randint(0, 512, (length,), generator=gen)
+        samples.append({"input_ids": ids, "labels": ids.clone()})
+    return pad_collate(samples)
+
+
+def test_sequence_wise_value_is_transformers_formula_per_sequence():
+    acc = hyperacc.Accelerator(checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=0)
+    model = build_causal_lm(qwen3_moe_config(num_experts=8, router_aux_loss_coef=COEF), seed=0)
+    reference = build_causal_lm(qwen3_moe_config(num_experts=8, router_aux_loss_coef=COEF), seed=0)
+    reference.load_state_dict(model.state_dict())
+    model = acc.prepare(model)
+    batch = _batch()
+    out = model(**batch)
+    assert model.config.output_router_logits is False           # transformers' own term is off
+    # by hand: transformers' function on each sequence alone (its own rows and padding mask), then the mean
+    per_sequence = []
+    with torch.no_grad():
+        for i in range(batch["input_ids"].shape[0]):
+            one = {k: v[i:i + 1] for k, v in batch.items()}
+            logits = reference(**one, output_router_logits=True).router_logits
+            per_sequence.append(load_balancing_loss_func(logits, 8, 2, one["attention_mask"]))
+    expected = torch.stack(per_sequence).mean()
+    torch.testing.assert_close(out.aux_loss, expected, rtol=1e-6, atol=0)
+    plain = reference(**batch, output_router_logits=False).loss
+    torch.testing.assert_close(out.loss, plain + COEF * expected, rtol=1e-6, atol=0)
+    # transformers' micro-batch formula pools the four sequences: a different number
+    pooled = load_balancing_loss_func(reference(**batch, output_router_logits=True).router_logits, 8, 2,
+                                      batch["attention_mask"])
+    assert abs(float(pooled.detach()) - float(expected)) > 1e-4
+    acc.end_training()
+
+
+def test_bad_modes_are_one_clear_error():
+    from hyperacc.router_aux import check_mode
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    moe = build_causal_lm(qwen3_moe_config(), meta_device=True)
+    with pytest.raises(ValueError, match="router_aux_loss='global' is not a mode; choose one of sequence, micro_batch"):
+        check_mode(moe, "global")
+    dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    with pytest.raises(ValueError, match="has no MoE router"):
+        check_mode(dense, "sequence")
+    assert check_mode(dense, None) is None and check_mode(moe, None) == "sequence"
+
+
+def test_example_refuses_aux_modes_it_cannot_apply():
+    script = REPO / "examples" / "train_qwen.py"
+    proc = run_python(script, ["--model.router_aux_loss=global", "--training.dry_run=true"], check=False, timeout=60)
+    assert proc.returncode == 2 and "model.router_aux_loss" in proc.stderr, proc.stderr[-1500:]
+
+
+# ----------------------------------------------------------------------------- layouts (real processes)
+def _rel(a, b):
+    assert len(a) == len(b) and a, (a, b)
+    return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+
+
+def _run(tmp_path_factory, name, layouts, nproc, *extra):
+    out = tmp_path_factory.mktemp(name) / "out.json"
+    args = [out, *layouts, "--steps", STEPS, "--gbs", 8, "--aux-coef", COEF, "--pad-multiple", 2, *map(str, extra)]
+    if nproc == 1:
+        run_python(SCRIPT, args)
+    else:
+        run_torchrun(SCRIPT, nproc, args)
+    return {r["layout"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, 2 micro-batches of 4 sequences; and the same with 8 micro-batches of 1."""
+    return _run(tmp_path_factory, "ref", ["dp1mb4", "dp1mb1"], 1)
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    return _run(tmp_path_factory, "two", ["dp2mb1", "dp2mb2", "dp2ep2mb1", "dp1cp2mb4", "dp1tp2mb2"], 2,
+                "--recompute", "dp2mb2")
+
+
+@pytest.mark.parametrize("layout", ["dp2mb1", "dp2mb2", "dp2ep2mb1", "dp1cp2mb4", "dp1tp2mb2"])
+def test_every_layout_equals_one_process_with_the_aux_loss_on(reference, layouts, layout):
+    ref, run = reference["dp1mb4"], layouts[layout]
+    assert _rel(ref["losses"], run["losses"]) <= RTOL, (ref["losses"], run["losses"])
+    assert _rel(ref["grad_norms"], run["grad_norms"]) <= RTOL
+    assert _rel(ref["step_aux_losses"], run["step_aux_losses"]) <= RTOL
+
+
+def test_accumulation_does_not_change_it(reference):
+    a, b = reference["dp1mb4"], reference["dp1mb1"]
+    assert _rel(a["losses"], b["losses"]) <= RTOL and _rel(a["grad_norms"], b["grad_norms"]) <= RTOL
+
+
+def test_the_aux_loss_changes_training_and_micro_batch_mode_is_layout_dependent(tmp_path_factory, reference):
+    off = _run(tmp_path_factory, "off", ["dp1mb4"], 1, "--no-aux")["dp1mb4"]
+    assert _rel(reference["dp1mb4"]["grad_norms"], off["grad_norms"]) > 1e-3      # aux on trains differently
+    pooled = _run(tmp_path_factory, "pooled", ["dp1mb4", "dp1mb1"], 1, "--aux-mode", "micro_batch")
+    assert _rel(pooled["dp1mb4"]["grad_norms"], pooled["dp1mb1"]["grad_norms"]) > 1e-4   # transformers' own
