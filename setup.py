@@ -26,5 +26,6 @@ setup(
         "test": ["pytest>=7", "megatron-core==0.16.1"],
         "npu": ["torch-npu"],
         "tensorboard": ["tensorboard"],
+        "plot": ["matplotlib"],
     },
 )

@@ -72,7 +72,9 @@ class TrainingConfig:
     ``dry_run_world_size`` plans for that many processes instead of the launched ones;
     ``dry_run_report``: also write the plan as JSON to this path. ``device_memory_gb``: the memory
     of one device (GB = 10^9 bytes); a plan that does not fit it stops the dry run and the training
-    run before anything is built (None: not checked)."""
+    run before anything is built (None: not checked). ``collective_timeout_s``: a collective that
+    waits longer (a rank died or hangs) stops the job with one line naming the silent rank(s), so an
+    elastic launcher can restart it (see README "Multi-node and fault tolerance")."""
 
     max_steps: int = 20
     global_batch_size: int = 8
@@ -83,6 +85,7 @@ class TrainingConfig:
     dry_run_world_size: Optional[int] = None
     dry_run_report: Optional[str] = None
     device_memory_gb: Optional[float] = None
+    collective_timeout_s: float = 600.0
     gradient_clipping: Optional[float] = 1.0
     epochs: int = 1
     gc_steps: int = 0
@@ -99,6 +102,9 @@ class TrainingConfig:
         check_batch(self)
         if self.dry_run_world_size is not None and self.dry_run_world_size < 1:
             raise ConfigError(f"training.dry_run_world_size={self.dry_run_world_size} must be >= 1.")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(f"training.collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds a "
+                              "collective may wait, e.g. 600).")
         if self.device_memory_gb is not None and self.device_memory_gb <= 0:
             raise ConfigError(f"training.device_memory_gb={self.device_memory_gb} must be > 0 (e.g. 64 for a "
                               "64 GB device), or null to skip the check.")

@@ -10,6 +10,7 @@ Without a YAML it trains the embedded default: a tiny Qwen3-MoE on the offline c
 The library does the hard parts (sharding, exact accumulation, checkpoints, metrics); the loop
 below is all there is to the training itself.
 """
+import datetime
 import json
 import os
 import sys
@@ -272,10 +273,12 @@ def build_data(cfg, acc, tokenizer):
 
 def train(cfg, tokenizer):
     import torch
+    from accelerate.utils import InitProcessGroupKwargs
 
     import hyperacc
     from hyperacc.metrics import MetricsLogger, PeriodicCleanup
-    from hyperacc.training import NonFiniteError, StepChecks, TokenIdError, evaluate, lr_lambda_scheduler, param_groups
+    from hyperacc.training import (NonFiniteError, StepChecks, TokenIdError, check_same_config, evaluate,
+                                   lr_lambda_scheduler, param_groups)
 
     t = cfg.training
     validate = t.mode == "validate"
@@ -284,8 +287,11 @@ def train(cfg, tokenizer):
         torch.use_deterministic_algorithms(True, warn_only=True)
 
     aux = cfg.model.router_aux_loss
+    timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=t.collective_timeout_s))
     acc = hyperacc.Accelerator(parallel=cfg.parallel, fsdp=cfg.fsdp, checkpoint=cfg.checkpoint, seed=t.seed,
-                               router_aux_loss=aux if aux in ("sequence", "micro_batch") else None)
+                               router_aux_loss=aux if aux in ("sequence", "micro_batch") else None,
+                               kwargs_handlers=[timeout])
+    check_same_config(dump_config(cfg), group=acc.runtime.cpu_group)   # every node launched alike
     acc.print(format_config(cfg))
     # Written atomically into each checkpoint, and as <checkpoint_dir>/config.yaml once a resume is accepted.
     acc.set_run_config(yaml.safe_dump(dump_config(cfg), sort_keys=False))
@@ -325,7 +331,8 @@ def train(cfg, tokenizer):
     # The loop: one loader item = the micro-batches of one optimizer step.
     step = acc.progress.global_step
     acc.wait_for_everyone()                    # step 1's time must not include another rank's start-up
-    with metrics:                              # flushes the buffered steps, also on a non-finite stop
+    # A collective that times out (a rank died or hangs) becomes one line naming the silent rank(s).
+    with acc.runtime.heartbeat.watching(t.collective_timeout_s), metrics:  # metrics: flushed on a non-finite stop
         metrics.start()
         while step < t.max_steps and loader.epoch < t.epochs:
             epoch = loader.epoch
@@ -383,6 +390,7 @@ def _exit_with(prefix, err, code):
 
 def main(argv=None):
     from hyperacc.training import NonFiniteError, TokenIdError
+    from hyperacc.watchdog import CollectiveTimeout
 
     try:
         cfg, world = load_config(sys.argv[1:] if argv is None else argv)
@@ -394,6 +402,8 @@ def main(argv=None):
         _exit_with("config error", err, 2)
     except (NonFiniteError, TokenIdError) as err:
         _exit_with("error", err, 3)
+    except CollectiveTimeout as err:
+        _exit_with("error", err, 4)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
-"""`Accelerator`: accelerate's Accelerator with hyperacc's mesh, FSDP2 sharding, exact accumulation
-and checkpoints in place of accelerate's.
+"""`Accelerator`: accelerate's, with hyperacc's mesh, FSDP2, exact accumulation and checkpoints instead.
 
 Why a subclass: a script written for accelerate uses ~110 members (trackers, `gather_for_metrics`,
 `split_between_processes`, `set_trigger`, `autocast`, `save_model`, `accelerate.logging` ...) whose
@@ -71,7 +70,8 @@ class Accelerator(accelerate.Accelerator):
         # accelerate builds its state, so that the state describes this job.
         dist = torch.distributed
         self.parallel_config.resolved(dist.get_world_size() if dist.is_initialized() else int(env_value("WORLD_SIZE", "1")))
-        self.runtime = runtime_lib.init_runtime("cpu" if cpu and device_type is None else device_type)
+        self.runtime = runtime_lib.init_runtime("cpu" if cpu and device_type is None else device_type,
+                                                compat.process_group_timeout_s(kwargs_handlers))
         compat.check_no_stale_state(self.runtime.world_size)
         with compat.accelerate_switches_off():
             super().__init__(
@@ -226,6 +226,7 @@ class Accelerator(accelerate.Accelerator):
             else:
                 raise TypeError("accumulate() takes models and at most one batch (a list of micro-batches).")
         if batch is not None:
+            self.runtime.heartbeat.step = self.progress.global_step + 1
             return self.accumulator.step(models, batch, step=self.progress.global_step + 1)
         return super().accumulate(*models)
 

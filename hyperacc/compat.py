@@ -168,6 +168,16 @@ def resolve_configs(*, parallel, fsdp, checkpoint, parallelism_config, fsdp_plug
             _checked(checkpoint, CheckpointConfig))
 
 
+def process_group_timeout_s(kwargs_handlers) -> Optional[float]:
+    """accelerate's `InitProcessGroupKwargs(timeout=...)` among ``kwargs_handlers``, in seconds."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    for handler in kwargs_handlers or ():
+        if isinstance(handler, InitProcessGroupKwargs) and handler.timeout is not None:
+            return handler.timeout.total_seconds()
+    return None
+
+
 def checkpoint_env_given() -> bool:
     return env_has_prefix(CHECKPOINT_ENV_PREFIX)
 

@@ -36,6 +36,8 @@ class Runtime:
     launcher: str              # "accelerate" | "torchrun" | "python"
     owns_process_group: bool
     cpu_group: Optional[object] = None   # gloo group for CPU-side collectives (None: the default group)
+    timeout_s: float = 1800.0            # every collective gives up after this long
+    heartbeat: Optional[object] = None   # hyperacc.watchdog.Heartbeat: who went silent when one does
 
     @property
     def device(self) -> torch.device:
@@ -151,8 +153,12 @@ def die_with_launcher(env: Optional[Mapping[str, str]] = None) -> bool:
     return True
 
 
-def init_runtime(device_type: Optional[str] = None, timeout_s: int = 1800) -> Runtime:
-    """Detect the device, start (or reuse) the process group and pin the local device."""
+def init_runtime(device_type: Optional[str] = None, timeout_s: Optional[float] = None) -> Runtime:
+    """Detect the device, start (or reuse) the process group (collective timeout ``timeout_s``,
+    default 1800 s) and pin the local device; start this rank's heartbeat (`hyperacc.watchdog`)."""
+    from hyperacc.watchdog import Heartbeat
+
+    timeout_s = 1800.0 if timeout_s is None else float(timeout_s)
     die_with_launcher()
     device_type = detect_device_type(device_type)
     backend = BACKENDS[device_type]
@@ -182,7 +188,8 @@ def init_runtime(device_type: Optional[str] = None, timeout_s: int = 1800) -> Ru
         device_type=device_type, backend=backend, rank=dist.get_rank(),
         world_size=dist.get_world_size(), local_rank=local_rank,
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-        launcher=launcher, owns_process_group=owns, cpu_group=cpu_group,
+        launcher=launcher, owns_process_group=owns, cpu_group=cpu_group, timeout_s=timeout_s,
+        heartbeat=Heartbeat(dist.get_rank(), dist.get_world_size()),
     )
 
 
@@ -194,6 +201,8 @@ def shutdown(runtime: Runtime) -> None:
     (FSDP keeps its groups alive until then), the process aborts with "terminate called without an
     active exception". The barrier and the short sleep release the GIL so those threads finish now.
     """
+    if runtime.heartbeat is not None:
+        runtime.heartbeat.close()
     if runtime.owns_process_group and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -27,7 +27,7 @@ from hyperacc.step_checks import DisagreementError, NonFiniteError, StepChecks  
 
 __all__ = ["param_groups", "lr_lambda_scheduler", "evaluate", "eval_batch_indices", "StepChecks",
            "NonFiniteError", "DisagreementError", "check_output_path", "check_dataset_path", "check_optimizer",
-           "check_model_config", "raise_if_any_rank_failed", "TokenIdError"]
+           "check_model_config", "raise_if_any_rank_failed", "check_same_config", "TokenIdError"]
 
 
 # ---------------------------------------------------------------------------------- optimizer
@@ -237,6 +237,34 @@ def raise_if_any_rank_failed(error: Optional[BaseException], *, group=None, what
     others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
     prefix = f"{what} failed on rank {rank}{others}: " if what else ""
     raise _config_error(f"{prefix}{message}") from None
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flatten(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], tree
+
+
+def check_same_config(config: dict, *, group=None, ignore=("logging.",)) -> None:
+    """Collective: every rank runs the same configuration (nodes launched with different flags would
+    train with different batches, models or checkpoint directories); else one ConfigError on every
+    rank naming the first field that differs. Keys starting with ``ignore`` may differ (per-node
+    log files)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    mine = {k: repr(v) for k, v in _flatten(config) if not k.startswith(tuple(ignore))}
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    for rank, other in enumerate(every):
+        for key in sorted(set(every[0]) | set(other)):
+            if every[0].get(key) != other.get(key):
+                raise _config_error(f"the ranks run different configurations: {key} is {every[0].get(key)} on rank 0 "
+                                    f"but {other.get(key)} on rank {rank}. Fix: launch every node with the same "
+                                    "config file and flags.")
 
 
 from hyperacc.accumulation import TokenIdError  # noqa: E402,F401 - raised by the accumulator, re-exported

@@ -33,6 +33,37 @@ class CheckpointDirLocked(RuntimeError):
     """Another job holds the checkpoint directory."""
 
 
+class CheckpointDirNotShared(RuntimeError):
+    """A rank does not see the checkpoint directory rank 0 writes (another node's local disk)."""
+
+
+def check_shared(checkpoint_dir: str, rank0: tuple) -> None:
+    """On every rank, after rank 0 took the lock (``rank0`` = its directory and lock record): this
+    rank must use the same directory and read rank 0's record there. A node that does not would save
+    its shards where no other node (and no resume) finds them: one CheckpointDirNotShared naming
+    the directory and this host."""
+    root, record = rank0
+    if os.path.abspath(checkpoint_dir) != root:
+        raise CheckpointDirNotShared(
+            f"checkpoint_dir is {root} on rank 0 but {os.path.abspath(checkpoint_dir)} on host "
+            f"{socket.gethostname()}: every rank must save into the same (shared) directory. Fix: launch every "
+            "node with the same --checkpoint.checkpoint_dir.")
+    if record is None:
+        return
+    path = os.path.join(root, LOCK_FILE)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            seen = handle.read()
+    except OSError:
+        seen = None
+    if seen != record:
+        raise CheckpointDirNotShared(
+            f"checkpoint_dir {os.path.abspath(checkpoint_dir)} is not shared between the nodes: host "
+            f"{socket.gethostname()} does not see the lock file rank 0 wrote there ({_describe(record)}). Every "
+            "rank writes its shards into checkpoint_dir: put it on storage all nodes mount (NFS, Lustre, a "
+            "shared volume) at the same path.")
+
+
 def _describe(text: str) -> str:
     try:
         holder = json.loads(text)
@@ -53,10 +84,13 @@ class DirLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def acquire(self) -> None:
-        """Take the lock (no-op when held). Raises CheckpointDirLocked naming the holder."""
-        if self._fd is not None or fcntl is None:
-            return
+    def acquire(self) -> Optional[str]:
+        """Take the lock (no-op when held); returns the lock record written (None without locks).
+        Raises CheckpointDirLocked naming the holder."""
+        if fcntl is None:
+            return None
+        if self._fd is not None:
+            return os.pread(self._fd, 4096, 0).decode("utf-8", "replace")
         os.makedirs(self.root, exist_ok=True)
         containment.refuse_foreign(self.path, "writes")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
@@ -66,7 +100,7 @@ class DirLock:
             holder = os.pread(fd, 4096, 0).decode("utf-8", "replace")
             os.close(fd)
             if self._held_by_this_process(holder):
-                return   # another Checkpointer of this very process (sequential use in one script)
+                return holder   # another Checkpointer of this very process (sequential use in one script)
             raise CheckpointDirLocked(
                 f"checkpoint_dir {self.root} is in use by another job ({_describe(holder)}): two jobs "
                 "must not save into one directory. Stop that job (or wait for it to end), or use another "
@@ -79,6 +113,7 @@ class DirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, record.encode() + b"\n", 0)
         self._fd = fd
+        return record + "\n"
 
     @staticmethod
     def _held_by_this_process(text: str) -> bool:

@@ -14,13 +14,12 @@ import torch
 from hyperacc.checkpoint import (_comm, buckets, containment, discovery, integrity, optim_state, restore, rng,
                                  storage)
 from hyperacc.checkpoint.export import export_hf
-from hyperacc.checkpoint.lock import DirLock
+from hyperacc.checkpoint.lock import DirLock, check_shared
 from hyperacc.checkpoint.policy import SavePolicy
 from hyperacc.config import CheckpointConfig
 from hyperacc.progress import Progress
 
 logger = logging.getLogger("hyperacc.checkpoint")
-warn0 = buckets.warn0
 
 
 class _Clock:
@@ -87,10 +86,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ public API
     def lock(self) -> None:
-        """Collective: take the single-writer lock on ``checkpoint_dir`` now (when this job may
-        save), so that a second job fails before it trains. Saves and loads take it anyway."""
+        """Collective: take the single-writer lock on ``checkpoint_dir`` now (when this job may save), so
+        that a second job fails before it trains, and check every rank sees it (a shared directory)."""
         if self.config.save_ckpt:
-            _comm.decide_on_rank0(self._lock.acquire, self.cpu_group)
+            rank0 = _comm.decide_on_rank0(lambda: (self._lock.root, self._lock.acquire()), self.cpu_group)
+            _comm.run_on_every_rank(lambda: check_shared(self.config.checkpoint_dir, rank0), self.cpu_group)
 
     def set_run_config(self, text: Optional[str]) -> None:
         """The run's config as YAML text (see ``__init__``); call before ``load``/``save``."""
@@ -160,7 +160,7 @@ class Checkpointer:
         if status in ("exists", "foreign"):
             what = ("already holds a complete checkpoint" if status == "exists" else
                     "is a symlink (a checkpoint hyperacc did not write: it is never written into)")
-            warn0(f"{path} {what}: it is kept as it is and this save is skipped (hyperacc never overwrites a "
+            buckets.warn0(f"{path} {what}: it is kept as it is and this save is skipped (hyperacc never overwrites a "
                   "checkpoint; use another checkpoint_dir or remove it to save there).")
             self.policy.note_saved(step)
             return None
@@ -308,7 +308,7 @@ class Checkpointer:
             if problem is None:
                 return path
             if n + 1 < len(candidates):
-                warn0(f"{problem}. restore_from='LATEST': falling back to {candidates[n + 1]}.")
+                buckets.warn0(f"{problem}. restore_from='LATEST': falling back to {candidates[n + 1]}.")
                 continue
             hint = (" No older checkpoint verifies either." if n else "")
             raise integrity.IntegrityError(f"{problem}.{hint} Restore another checkpoint (restore_from=<path>) "
@@ -349,7 +349,7 @@ class Checkpointer:
         if discovery.is_complete(path):
             return "exists"
         if os.path.isdir(path) and os.listdir(path):
-            warn0(f"{path} holds an incomplete checkpoint (no .metadata; an interrupted save): writing "
+            buckets.warn0(f"{path} holds an incomplete checkpoint (no .metadata; an interrupted save): writing "
                   "over it.")
         os.makedirs(path, exist_ok=True)
         return "ok"
@@ -393,7 +393,7 @@ class Checkpointer:
                 if containment.is_foreign(old):
                     if old not in self._foreign_warned:
                         self._foreign_warned.add(old)
-                        warn0(f"keep_last_n={keep}: {old} is a symlink (a checkpoint hyperacc did not write): "
+                        buckets.warn0(f"keep_last_n={keep}: {old} is a symlink (a checkpoint hyperacc did not write): "
                               "it is left alone, not deleted.")
                     continue
                 discovery.remove_checkpoint(old)

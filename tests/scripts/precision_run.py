@@ -41,10 +41,11 @@ def main():
     p.add_argument("--save-steps", type=int, default=0)
     p.add_argument("--restore", default=None)
     p.add_argument("--export", default=None)
+    p.add_argument("--ep", type=int, default=1)
     args = p.parse_args()
 
     acc = hyperacc.Accelerator(
-        fsdp=hyperacc.FSDPConfig(precision=args.precision),
+        fsdp=hyperacc.FSDPConfig(precision=args.precision), parallel=hyperacc.ParallelConfig(ep_size=args.ep),
         checkpoint=hyperacc.CheckpointConfig(checkpoint_dir=args.ckpt, save_steps=args.save_steps, save_epochs=0,
                                              restore_from=args.restore), seed=3)
     model = build_causal_lm(qwen3_moe_config(), meta_device=True, router_aux_loss=False)

@@ -1,0 +1,99 @@
+"""Faults without a person: a rank that hangs ends the job within the collective timeout naming it;
+a node that dies is survived by the others under torch's elastic launcher (real processes, gloo)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dist_utils import REPO, _env, free_port
+
+EXAMPLE = REPO / "examples" / "train_qwen.py"
+HANG = REPO / "tests" / "scripts" / "train_qwen_hang.py"
+
+
+def _torchrun(script, args, *, nproc=1, extra=(), env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *extra, str(script),
+           "--logging.progress_bar=false", "--eval.eval_steps=0", *map(str, args)]
+    return subprocess.Popen(cmd, cwd=str(REPO), env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _records(path):
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if '"loss"' in line]
+
+
+def test_a_silent_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = ["--training.max_steps=20", "--training.collective_timeout_s=8", "--checkpoint.save_ckpt=true",
+            f"--checkpoint.checkpoint_dir={ckpt}", "--checkpoint.save_steps=2",
+            f"--logging.metrics_file={tmp_path / 'm.jsonl'}"]
+    start = time.monotonic()
+    proc = _torchrun(HANG, args, nproc=2, extra=["--standalone"], env={"HANG_AT_STEP": "4", "HANG_RANK": "1"})
+    out, _ = proc.communicate(timeout=180)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("error: step 4: a collective timed out")]
+    assert lines and "silent rank(s): 1 (last at step 4)" in lines[0], out[-3000:]
+    assert elapsed < 150, elapsed        # start-up + 3 steps + 8 s timeout + diagnosis + the launcher's 30 s grace
+    assert (ckpt / "latest_checkpoint_iteration.txt").read_text().strip() == "2"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global_step")) == ["global_step_2"]
+
+
+def _wait_for_step(path, step, proc, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path) and any(r["step"] >= step for r in _records(path)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended early:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def _node(port, args, run_id):
+    """One "node": a torchrun launcher with one worker, elastic 1..2 nodes, c10d rendezvous on localhost."""
+    extra = ["--nnodes=1:2", f"--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+             "--max-restarts=3", "--monitor-interval=1", "--rdzv-conf=join_timeout=120,last_call_timeout=2"]
+    return _torchrun(EXAMPLE, args, extra=extra)
+
+
+def test_a_dead_node_is_survived_on_fewer_nodes_with_the_same_curve(tmp_path):
+    steps, save = 12, 2
+    common = [f"--training.max_steps={steps}", "--training.collective_timeout_s=30", "--checkpoint.save_ckpt=true",
+              f"--checkpoint.checkpoint_dir={tmp_path / 'ckpt'}", f"--checkpoint.save_steps={save}",
+              "--checkpoint.restore_from=LATEST", "--logging.logging_steps=1"]
+    metrics = tmp_path / "elastic.jsonl"
+    port = free_port()
+    host = _node(port, common + [f"--logging.metrics_file={metrics}"], "nodeloss")
+    time.sleep(3)                                        # the first launcher hosts the rendezvous store
+    other = _node(port, common + [f"--logging.metrics_file={metrics}"], "nodeloss")
+    try:
+        _wait_for_step(metrics, 5, host, timeout=240)
+        killed_at = max(r["step"] for r in _records(metrics))
+        os.killpg(other.pid, signal.SIGKILL)             # the node dies: launcher and worker (PDEATHSIG)
+        other.wait(timeout=30)
+        out, _ = host.communicate(timeout=300)
+    finally:
+        for proc in (host, other):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert host.returncode == 0, out[-4000:]
+    rows = _records(metrics)
+    last = {r["step"]: r for r in rows}                  # after the restart, resumed steps are logged again
+    assert sorted(last) == list(range(1, steps + 1)), sorted(last)
+    restart = next((i for i in range(1, len(rows)) if rows[i]["step"] <= rows[i - 1]["step"]), None)
+    restarted_from = killed_at if restart is None else rows[restart]["step"] - 1   # the checkpoint resumed
+    assert killed_at - save <= restarted_from <= killed_at, (killed_at, restarted_from)
+    reference_file = tmp_path / "reference.jsonl"
+    ref = _torchrun(EXAMPLE, [f"--training.max_steps={steps}", f"--logging.metrics_file={reference_file}",
+                              "--logging.logging_steps=1"], nproc=1, extra=["--standalone"])
+    ref_out, _ = ref.communicate(timeout=300)
+    assert ref.returncode == 0, ref_out[-3000:]
+    reference = {r["step"]: r["loss"] for r in _records(reference_file)}
+    worst = max(abs(last[s]["loss"] - reference[s]) / reference[s] for s in range(restarted_from + 1, steps + 1))
+    assert worst <= 1e-5, worst
