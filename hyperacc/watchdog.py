@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hyperacc.launch_env import env_value
 
-TIMEOUT_WORDS = ("timed out", "timeout", "Timeout")
+TIMEOUT_WORDS = ("timed out", "timeout")
 
 
 class CollectiveTimeout(RuntimeError):
@@ -31,7 +31,7 @@ class CollectiveTimeout(RuntimeError):
 
 def is_collective_timeout(err: BaseException) -> bool:
     """A process-group collective that gave up waiting (gloo: "Timed out waiting ... for recv")."""
-    text = str(err)
+    text = str(err).lower()
     return isinstance(err, (RuntimeError, dist.DistError)) and any(word in text for word in TIMEOUT_WORDS)
 
 
