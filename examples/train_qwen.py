@@ -390,6 +390,7 @@ def _exit_with(prefix, err, code):
 
 def main(argv=None):
     from hyperacc.training import NonFiniteError, TokenIdError
+    from hyperacc.checkpoint.lock import CheckpointDirLocked, CheckpointDirNotShared
     from hyperacc.watchdog import CollectiveTimeout
 
     try:
@@ -398,7 +399,7 @@ def main(argv=None):
             return dry_run(cfg, world)
         tokenizer = preflight(cfg, world)
         return train(cfg, tokenizer)
-    except ConfigError as err:
+    except (ConfigError, CheckpointDirLocked, CheckpointDirNotShared) as err:
         _exit_with("config error", err, 2)
     except (NonFiniteError, TokenIdError) as err:
         _exit_with("error", err, 3)

@@ -97,3 +97,34 @@ def test_a_dead_node_is_survived_on_fewer_nodes_with_the_same_curve(tmp_path):
     reference = {r["step"]: r["loss"] for r in _records(reference_file)}
     worst = max(abs(last[s]["loss"] - reference[s]) / reference[s] for s in range(restarted_from + 1, steps + 1))
     assert worst <= 1e-5, worst
+
+
+PER_RANK = REPO / "tests" / "scripts" / "train_qwen_per_rank.py"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--training.global_batch_size=16", "training.global_batch_size is 8 on rank 0 but 16 on rank 1"),
+    ("--checkpoint.checkpoint_dir={other}", "checkpoint_dir is {ckpt} on rank 0 but {other} on host"),
+])
+def test_nodes_launched_differently_fail_at_start_on_every_rank(tmp_path, extra, message):
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    args = ["--training.max_steps=3", "--checkpoint.save_ckpt=true", f"--checkpoint.checkpoint_dir={ckpt}"]
+    env = {"EXTRA_ARGS_RANK": "1", "EXTRA_ARGS": extra.format(other=other)}
+    proc = _torchrun(PER_RANK, args, nproc=2, extra=["--standalone"], env=env)
+    out, _ = proc.communicate(timeout=180)
+    text = message.format(ckpt=ckpt, other=other)
+    assert proc.returncode != 0 and out.count("config error: ") == 2, out[-3000:]   # one line on each rank
+    assert out.count(text) == 2, out[-3000:]
+    assert not (ckpt / "global_step_1").exists()
+
+
+def test_a_checkpoint_dir_another_node_does_not_see_is_named(tmp_path):
+    from hyperacc.checkpoint.lock import DirLock, shared_problem
+
+    lock = DirLock(str(tmp_path))
+    record = lock.acquire()
+    assert shared_problem(str(tmp_path), (lock.root, record)) is None
+    other_node = '{"host": "node0", "pid": 1, "started": "2026-12-01T00:00:00"}\n'   # what node 0 wrote there
+    problem = shared_problem(str(tmp_path), (lock.root, other_node))
+    assert f"checkpoint_dir {tmp_path} is not shared between the nodes" in problem and "host node0" in problem
+    lock.release()

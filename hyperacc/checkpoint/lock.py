@@ -34,34 +34,43 @@ class CheckpointDirLocked(RuntimeError):
 
 
 class CheckpointDirNotShared(RuntimeError):
-    """A rank does not see the checkpoint directory rank 0 writes (another node's local disk)."""
+    """A rank does not see the checkpoint directory rank 0 writes (another node's local disk), or
+    uses another one; raised on every rank alike."""
 
 
-def check_shared(checkpoint_dir: str, rank0: tuple) -> None:
-    """On every rank, after rank 0 took the lock (``rank0`` = its directory and lock record): this
-    rank must use the same directory and read rank 0's record there. A node that does not would save
-    its shards where no other node (and no resume) finds them: one CheckpointDirNotShared naming
-    the directory and this host."""
+def lock_shared(lock: "DirLock", checkpoint_dir: str, group=None) -> None:
+    """Collective: rank 0 takes ``lock``; then every rank checks it sees rank 0's lock record in
+    ``checkpoint_dir`` (`shared_problem`) and every rank raises the same CheckpointDirNotShared if one
+    does not."""
+    from hyperacc.checkpoint import _comm
+
+    rank0 = _comm.decide_on_rank0(lambda: (lock.root, lock.acquire()), group)
+    problems = _comm.all_gather(shared_problem(checkpoint_dir, rank0), group)
+    if any(problems):
+        raise CheckpointDirNotShared(next(p for p in problems if p))
+
+
+def shared_problem(checkpoint_dir: str, rank0: tuple) -> Optional[str]:
+    """On every rank, after rank 0 took the lock (``rank0`` = its directory and lock record): None
+    when this rank uses the same directory and reads rank 0's record there; else what is wrong. A
+    node that does not see it would save its shards where no other node (and no resume) finds them."""
     root, record = rank0
     if os.path.abspath(checkpoint_dir) != root:
-        raise CheckpointDirNotShared(
-            f"checkpoint_dir is {root} on rank 0 but {os.path.abspath(checkpoint_dir)} on host "
-            f"{socket.gethostname()}: every rank must save into the same (shared) directory. Fix: launch every "
-            "node with the same --checkpoint.checkpoint_dir.")
+        return (f"checkpoint_dir is {root} on rank 0 but {os.path.abspath(checkpoint_dir)} on host "
+                f"{socket.gethostname()}: every rank must save into the same (shared) directory. Fix: launch every "
+                "node with the same --checkpoint.checkpoint_dir.")
     if record is None:
-        return
-    path = os.path.join(root, LOCK_FILE)
+        return None
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(os.path.join(root, LOCK_FILE), encoding="utf-8") as handle:
             seen = handle.read()
     except OSError:
         seen = None
-    if seen != record:
-        raise CheckpointDirNotShared(
-            f"checkpoint_dir {os.path.abspath(checkpoint_dir)} is not shared between the nodes: host "
-            f"{socket.gethostname()} does not see the lock file rank 0 wrote there ({_describe(record)}). Every "
-            "rank writes its shards into checkpoint_dir: put it on storage all nodes mount (NFS, Lustre, a "
-            "shared volume) at the same path.")
+    if seen == record:
+        return None
+    return (f"checkpoint_dir {root} is not shared between the nodes: host {socket.gethostname()} does not see the "
+            f"lock file rank 0 wrote there ({_describe(record)}). Every rank writes its shards into checkpoint_dir: "
+            "put it on storage all nodes mount (NFS, Lustre, a shared volume) at the same path.")
 
 
 def _describe(text: str) -> str:

@@ -14,7 +14,7 @@ import torch
 from hyperacc.checkpoint import (_comm, buckets, containment, discovery, integrity, optim_state, restore, rng,
                                  storage)
 from hyperacc.checkpoint.export import export_hf
-from hyperacc.checkpoint.lock import DirLock, check_shared
+from hyperacc.checkpoint.lock import DirLock, lock_shared
 from hyperacc.checkpoint.policy import SavePolicy
 from hyperacc.config import CheckpointConfig
 from hyperacc.progress import Progress
@@ -89,8 +89,7 @@ class Checkpointer:
         """Collective: take the single-writer lock on ``checkpoint_dir`` now (when this job may save), so
         that a second job fails before it trains, and check every rank sees it (a shared directory)."""
         if self.config.save_ckpt:
-            rank0 = _comm.decide_on_rank0(lambda: (self._lock.root, self._lock.acquire()), self.cpu_group)
-            _comm.run_on_every_rank(lambda: check_shared(self.config.checkpoint_dir, rank0), self.cpu_group)
+            lock_shared(self._lock, self.config.checkpoint_dir, self.cpu_group)
 
     def set_run_config(self, text: Optional[str]) -> None:
         """The run's config as YAML text (see ``__init__``); call before ``load``/``save``."""
