@@ -128,3 +128,24 @@ def test_a_checkpoint_dir_another_node_does_not_see_is_named(tmp_path):
     problem = shared_problem(str(tmp_path), (lock.root, other_node))
     assert f"checkpoint_dir {tmp_path} is not shared between the nodes" in problem and "host node0" in problem
     lock.release()
+
+
+def test_launch_files_parse_and_agree():
+    """The multi-node launch files users copy: accelerate reads the configs, the layout fills the
+    world, the Slurm script is valid bash and the PyTorchJob valid YAML with an elastic policy."""
+    import yaml
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from hyperacc import ParallelConfig
+
+    for name in ("hsdp_2x8_npu.yaml", "hsdp_2x8_gpu.yaml"):
+        config = load_config_from_file(str(REPO / "accelerate_configs" / name))
+        assert (config.num_machines, config.num_processes, config.rdzv_backend) == (2, 16, "c10d")
+        layout = ParallelConfig(**{k.replace("parallelism_config_", ""): v for k, v in config.parallelism_config.items()})
+        assert layout.resolved(16).dp_replicate_size == 2 and layout.resolved(16).dp_shard_size == 8
+    subprocess.run(["bash", "-n", str(REPO / "examples" / "launch" / "slurm_2x8.sbatch")], check=True)
+    job = yaml.safe_load((REPO / "examples" / "launch" / "pytorchjob_elastic.yaml").read_text())
+    policy = job["spec"]["elasticPolicy"]
+    assert (policy["rdzvBackend"], policy["minReplicas"], policy["maxReplicas"]) == ("c10d", 1, 2)
+    args = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["args"]
+    assert "--checkpoint.restore_from=LATEST" in args
