@@ -55,3 +55,23 @@ def run_accelerate(script, config_file, args=(), env=None, timeout: int = 600, c
 def run_python(script, args=(), env=None, timeout: int = 600, check: bool = True):
     """Run ``script`` in one plain python process (no launcher)."""
     return _run([sys.executable, str(script), *map(str, args)], _env(env), timeout, check)
+
+
+def max_rel(a, b) -> float:
+    """The largest relative difference between two equally long, non-empty series."""
+    assert len(a) == len(b) and a, (a, b)
+    return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+
+
+def run_layouts(folder, layouts, args=(), nproc: int = 1) -> dict:
+    """tests/scripts/train_parallel.py on ``layouts`` (one job: plain python for one process,
+    torchrun otherwise); returns {layout: its record}."""
+    import json
+
+    out = Path(folder) / "out.json"
+    script, argv = REPO / "tests" / "scripts" / "train_parallel.py", [out, *layouts, *map(str, args)]
+    if nproc == 1:
+        run_python(script, argv)
+    else:
+        run_torchrun(script, nproc, argv)
+    return {r["layout"]: r for r in json.loads(out.read_text())}

@@ -57,7 +57,7 @@ def _wait_for_step(path, step, proc, timeout):
 
 def _node(port, args, run_id):
     """One "node": a torchrun launcher with one worker, elastic 1..2 nodes, c10d rendezvous on localhost."""
-    extra = ["--nnodes=1:2", f"--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+    extra = ["--nnodes=1:2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
              "--max-restarts=3", "--monitor-interval=1", "--rdzv-conf=join_timeout=120,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"]
     return _torchrun(EXAMPLE, args, extra=extra)
 

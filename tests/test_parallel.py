@@ -10,30 +10,20 @@ import torch
 
 from conftest import SLOW
 
-from dist_utils import REPO, run_python, run_torchrun
+from dist_utils import REPO, max_rel, run_layouts
 from hyperacc import parallel
 from hyperacc.config import ParallelConfig
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 
-SCRIPT = REPO / "tests" / "scripts" / "train_parallel.py"
 STEPS, SAVE_STEP = 10, 5
 RTOL = 1e-5
 
 
-def _rel(a, b):
-    assert len(a) == len(b) and a, (a, b)
-    return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+_rel = max_rel
 
 
 def _run(tmp_path_factory, name, layouts, *extra, nproc=4):
-    folder = tmp_path_factory.mktemp(name)
-    out = folder / "out.json"
-    args = [out, *layouts, "--steps", STEPS, *map(str, extra)]
-    if nproc == 1:
-        run_python(SCRIPT, args)
-    else:
-        run_torchrun(SCRIPT, nproc, args)
-    return {r["layout"]: r for r in json.loads(out.read_text())}
+    return run_layouts(tmp_path_factory.mktemp(name), layouts, ["--steps", STEPS, *extra], nproc)
 
 
 @pytest.fixture(scope="module")

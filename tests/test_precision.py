@@ -194,3 +194,14 @@ def test_hf_export_writes_the_parameters_dtype(bf16_sr_run):
                for f in (out / "hf").glob("*.safetensors")]
     assert headers and {v["dtype"] for h in headers for k, v in h.items() if k != "__metadata__"} == {"BF16"}
     assert json.loads((out / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_the_rfc_config_offline_says_so_in_one_line():
+    # wikitext-2 through Hugging Face datasets: offline (no cache) one line that points at --data.dataset
+    proc = run_python(SCRIPT, [CONFIG_30B, "--data.tokenizer=default", "--model.overrides.num_hidden_layers=1",
+                               "--model.overrides.num_experts=8", "--checkpoint.save_ckpt=false",
+                               "--logging.metrics_file=null", "--logging.tensorboard_dir=null"],
+                      env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}, check=False, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("config error")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "'Salesforce/wikitext' is not cached" in errors[0] and "--data.dataset=PATH" in errors[0]

@@ -1,18 +1,15 @@
 """The sequence-wise MoE load-balancing loss (hyperacc.router_aux): its value against transformers'
 own formula applied to one sequence at a time, and that it is the same in every layout (real
 processes, gloo, fp32) while transformers' per-micro-batch loss is not."""
-import json
-
 import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 import hyperacc
-from dist_utils import REPO, run_python, run_torchrun
+from dist_utils import REPO, max_rel, run_layouts, run_python
 from hyperacc.data.collate import pad_collate
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 
-SCRIPT = REPO / "tests" / "scripts" / "train_parallel.py"
 STEPS, RTOL, COEF = 6, 1e-5, 0.05
 
 
@@ -73,19 +70,12 @@ def test_example_refuses_aux_modes_it_cannot_apply():
 
 
 # ----------------------------------------------------------------------------- layouts (real processes)
-def _rel(a, b):
-    assert len(a) == len(b) and a, (a, b)
-    return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+_rel = max_rel
 
 
 def _run(tmp_path_factory, name, layouts, nproc, *extra):
-    out = tmp_path_factory.mktemp(name) / "out.json"
-    args = [out, *layouts, "--steps", STEPS, "--gbs", 8, "--aux-coef", COEF, "--pad-multiple", 2, *map(str, extra)]
-    if nproc == 1:
-        run_python(SCRIPT, args)
-    else:
-        run_torchrun(SCRIPT, nproc, args)
-    return {r["layout"]: r for r in json.loads(out.read_text())}
+    args = ["--steps", STEPS, "--gbs", 8, "--aux-coef", COEF, "--pad-multiple", 2, *extra]
+    return run_layouts(tmp_path_factory.mktemp(name), layouts, args, nproc)
 
 
 @pytest.fixture(scope="module")

@@ -208,8 +208,9 @@ def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = No
     except (StopIteration, IndexError) as e:  # what datasets raises on some empty inputs
         raise ValueError(f"dataset {path!r} is empty or unreadable ({type(e).__name__}: {e})") from e
     except ConnectionError as e:
-        raise ValueError(f"dataset {path!r} is not cached and cannot be downloaded ({e}); download it on a "
-                         f"machine with network access, or convert it offline") from e
+        raise ValueError(f"dataset {path!r} is not cached and cannot be downloaded here ({e}). Fix: load it once "
+                         f"where the hub is reachable (it is cached then), or pass local files, a save_to_disk "
+                         f"directory or a Megatron prefix instead (examples/train_qwen.py: --data.dataset=PATH)") from e
     if splits is not None:
         available = list(splits.keys())
         if (split in ("train", "validation") and "train" in available and "validation" not in available
