@@ -43,17 +43,16 @@ def router_recorder(model: nn.Module) -> Optional[Tuple[type, int]]:
 
 
 def check_mode(model: nn.Module, mode: Optional[str]) -> Optional[str]:
-    """The mode to use for ``model`` (None: off), or one ValueError for an unknown mode or a dense model."""
+    """The mode to use for ``model`` (None: no load-balancing loss), or one ValueError for an unknown
+    mode. The Accelerator's mode is a policy for the MoE models it prepares: a dense model has none
+    (a script with one model refuses the combination itself, as examples/train_qwen.py does)."""
     if mode is not None and mode not in MODES:
         raise ValueError(f"router_aux_loss={mode!r} is not a mode; choose one of {', '.join(MODES)} (or None).")
     config = getattr(model, "config", None)
-    enabled = bool(getattr(config, "output_router_logits", False))
-    moe = hasattr(config, "router_aux_loss_coef") and router_recorder(model) is not None
-    if mode is not None and not moe:
-        raise ValueError(f"router_aux_loss={mode!r} but {type(model).__name__} has no MoE router (a dense model). "
-                         "Fix: leave router_aux_loss unset for dense models.")
+    if not (hasattr(config, "router_aux_loss_coef") and router_recorder(model) is not None):
+        return None
     if mode is None:                 # the default: sequence-wise whenever the model adds the loss
-        return "sequence" if enabled and moe else None
+        return "sequence" if getattr(config, "output_router_logits", False) else None
     config.output_router_logits = True           # an explicit mode switches the loss on
     return mode
 

@@ -36,7 +36,7 @@ from accelerate.utils import set_seed
 from hyperacc import Accelerator, ParallelConfig
 
 GLOBAL_BATCH = 16
-TOL = dict(rtol=1e-6, atol=1e-7)
+TOL = dict(rtol=1e-6, atol=1e-6)   # fp32 sums in another order: a few ulps of the largest value (~2)
 
 
 class Model(nn.Module):

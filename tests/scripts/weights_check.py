@@ -58,7 +58,9 @@ def main():
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     args = parser.parse_args()
-    acc = hyperacc.Accelerator(parallel=hyperacc.ParallelConfig(tp_size=args.tp, ep_size=args.ep))
+    # the reference is transformers' own model: its own (per-forward) MoE load-balancing loss
+    acc = hyperacc.Accelerator(parallel=hyperacc.ParallelConfig(tp_size=args.tp, ep_size=args.ep),
+                               router_aux_loss="micro_batch")
     results = [check(acc, path, os.path.join(args.export, str(i))) for i, path in enumerate(args.model)]
     if acc.is_main_process:
         with open(args.out, "w") as handle:
