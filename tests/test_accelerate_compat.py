@@ -251,7 +251,8 @@ def _assert_weights_close(ref: dict, got: dict, rtol, atol, what):
 # complete_nlp_example combines checkpointing.py and tracking.py; memory, tracking and early_stopping
 # are nlp_example plus one accelerate utility each): they run with the slow set, keeping the default
 # suite within CI's budget.
-ONE_PROCESS_SLOW = ("multi_process_metrics", "complete_nlp_example", "memory", "tracking", "early_stopping")
+ONE_PROCESS_SLOW = ("multi_process_metrics", "complete_nlp_example", "memory", "tracking", "early_stopping",
+                    "gradient_accumulation", "gradient_accumulation_for_autoregressive_models", "run_clm_no_trainer")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=slow) if n in ONE_PROCESS_SLOW else n for n in SCRIPTS])
@@ -349,6 +350,7 @@ def _two_process_compare(name, runs_dir):
     return ref, got
 
 
+@slow
 def test_two_processes_nlp_example_matches_ddp(runs_dir):
     _two_process_compare("nlp_example", runs_dir)
 

@@ -75,8 +75,8 @@ def copy_test_sync(tmp_path: Path, variant: str) -> Path:
     return script
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-@pytest.mark.parametrize("variant", ["shipped", "all"])
+@pytest.mark.parametrize("variant, nproc", [("shipped", 1), ("all", 1), ("all", 2),
+                                            pytest.param("shipped", 2, marks=pytest.mark.slow)])
 def test_accelerate_test_sync(tmp_path, variant, nproc):
     script = copy_test_sync(tmp_path, variant)
     if nproc == 1:

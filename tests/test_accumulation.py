@@ -34,11 +34,11 @@ def reference(tmp_path_factory):
     return _run(tmp, "one", 1, "--grads", tmp / "grads1.pt"), tmp / "grads1.pt"
 
 
-@pytest.mark.parametrize("name,nproc,extra,micro", [
+@pytest.mark.parametrize("name,nproc,extra,micro", [   # recompute: also tests/test_router_aux.py (dp2 mb2)
     ("2x2", 2, [], 2),
-    ("4x1", 4, [], 1),
-    ("2x2_recompute", 2, ["--recompute"], 2),
-    ("2x2_reduce_every", 2, ["--reduce-every"], 2),
+    pytest.param("4x1", 4, [], 1, marks=pytest.mark.slow),
+    pytest.param("2x2_recompute", 2, ["--recompute"], 2, marks=pytest.mark.slow),
+    pytest.param("2x2_reduce_every", 2, ["--reduce-every"], 2, marks=pytest.mark.slow),
 ])
 def test_consistency_matrix(reference, tmp_path, name, nproc, extra, micro):
     ref, _ = reference

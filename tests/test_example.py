@@ -94,6 +94,7 @@ def test_resume_continues_exactly(baseline, resume):
         assert r["consumed_samples"] == ref["consumed_samples"]
 
 
+@pytest.mark.slow   # a NaN stopping the example: tests/test_fail_closed.py in the default run
 def test_planted_nan_stops_validate_mode(tmp_path):
     # tests/scripts/train_qwen_nan.py: the example with a NaN loss planted at step 3 on rank 1
     proc = run_accelerate(REPO / "tests" / "scripts" / "train_qwen_nan.py", CPU2,

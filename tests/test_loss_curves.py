@@ -1,6 +1,8 @@
 """examples/loss_curves.py: the loss-curve consistency tool, on real processes for a few steps."""
 import json
 
+import pytest
+
 from dist_utils import REPO, run_python
 
 TOOL = REPO / "examples" / "loss_curves.py"
@@ -17,6 +19,7 @@ def test_the_tool_compares_layouts_and_writes_curves(tmp_path):
     assert "| dp2-mb1 |" in proc.stdout and "within the tolerance" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_deviation_beyond_the_tolerance_fails(tmp_path):
     # transformers' per-micro-batch aux loss changes with the micro-batch size: a tolerance of 1e-9 says so
     proc = run_python(TOOL, ["--steps", 3, "--layouts", "dp1", "dp1-mb4", "--tolerance", 1e-9, "--out", tmp_path,

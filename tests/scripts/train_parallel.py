@@ -7,7 +7,8 @@ Usage: train_parallel.py OUT.json LAYOUT [LAYOUT ...] [--steps N] [--recompute L
        [--ckpt DIR] [--save-step K]
        [--no-aux] [--pad-multiple M]
        LAYOUT: e.g. dp4, dp2tp2, dp4ep2, dp2tp2ep4, rep2dp2ep2, dp2cp2, dp1 (letters then sizes);
-       "mb<N>" sets that layout's micro-batch size (default --mbs), e.g. dp1mb4, dp2mb1;
+       "mb<N>" sets that layout's micro-batch size (default --mbs), e.g. dp1mb4, dp2mb1; a trailing
+       "na" turns the router aux loss off for that layout (as --no-aux does for all);
        "dp2tp2<dp4" resumes from the checkpoint layout dp4 saved in DIR (DIR/dp4) and trains on.
        --save-step K: every layout saves its step-K state to DIR/<layout>.
 """
@@ -53,14 +54,14 @@ def expert_bytes(model):
 
 def train(spec, args):
     layout, _, source = spec.partition("<")
+    aux = not (args.no_aux or layout.endswith("na"))
     sizes = parse_layout(layout)
     micro_batch_size = sizes.pop("micro_batch_size", args.mbs)
     acc = hyperacc.Accelerator(
         parallel=hyperacc.ParallelConfig(**sizes),
         fsdp=hyperacc.FSDPConfig(activation_checkpointing=spec in args.recompute),
         checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=7, router_aux_loss=args.aux_mode)
-    model = build_causal_lm(model_config(not args.no_aux, args.aux_coef), meta_device=True,
-                            router_aux_loss=not args.no_aux)
+    model = build_causal_lm(model_config(aux, args.aux_coef), meta_device=True, router_aux_loss=aux)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loader = hyperacc.MicroBatchDataLoader(TokenDataset(160, True), global_batch_size=args.gbs,
                                            micro_batch_size=micro_batch_size, collate_fn=functools.partial(pad_collate, pad_to_multiple_of=args.pad_multiple), seed=3)
