@@ -9,11 +9,11 @@ from dist_utils import REPO, _env
 
 README = (REPO / "README.md").read_text()
 SECTIONS = ["Quick start", "Coming from accelerate", "The micro-batch dataloader", "Checkpoints",
-            "Configuration: YAML + typed command-line overrides", "Step metrics"]
+            "Configuration: YAML + typed command-line overrides", "Step metrics", "Precision recipes"]
 
 
 def first_python_block(heading: str) -> str:
-    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", README, flags=re.S | re.M)
+    match = re.search(rf"^###? {re.escape(heading)}\n(.*?)(?=^###? |\Z)", README, flags=re.S | re.M)
     assert match, f"README has no section '## {heading}'"
     blocks = re.findall(r"```python\n(.*?)```", match.group(1), flags=re.S)
     assert blocks, f"section '{heading}' has no python snippet"
