@@ -12,6 +12,8 @@ import json
 import os
 
 import pytest
+
+from conftest import SLOW
 import torch
 
 from dist_utils import REPO, run_torchrun
@@ -46,10 +48,12 @@ def runs(tmp_path_factory):
                             "--dump-params", tmp / "c.pt")
     res["d_proc"] = _launch(1, tmp / "d", "--ckpt", A, "--steps", 8, "--no-save", "--restore",
                             os.path.join(A, "global_step_4"))
-    res["e_proc"] = _launch(4, tmp / "e", "--ckpt", B, "--steps", 8, "--no-save", "--restore",
-                            os.path.join(B, "global_step_4"))
+    if SLOW:   # 2 -> 4 ranks; 2 -> 1 runs by default (and a node loss in tests/test_fault_tolerance.py)
+        res["e_proc"] = _launch(4, tmp / "e", "--ckpt", B, "--steps", 8, "--no-save", "--restore",
+                                os.path.join(B, "global_step_4"))
+        res["e"] = _records(tmp / "e", 4)
     res["a"], res["c"] = _records(tmp / "a", 2), _records(tmp / "c", 2)
-    res["d"], res["e"] = _records(tmp / "d", 1), _records(tmp / "e", 4)
+    res["d"] = _records(tmp / "d", 1)
     return res
 
 
@@ -74,7 +78,7 @@ def test_sigkill_resume_is_bitwise_exact(runs):
     assert pa.keys() == pc.keys() and all(torch.equal(pa[k], pc[k]) for k in pa)
 
 
-@pytest.mark.parametrize("name,nproc", [("d", 1), ("e", 4)])
+@pytest.mark.parametrize("name,nproc", [("d", 1), pytest.param("e", 4, marks=pytest.mark.slow)])
 def test_resume_at_other_dp_size(runs, name, nproc):
     recs = runs[name]
     assert recs[0]["world"] == nproc and recs[0]["start_step"] == 4

@@ -116,6 +116,8 @@ def test_30b_rfc_config_fits_64gb_without_offload(tmp_path, ep):
                                f"--training.dry_run_report={report}"], timeout=300)
     plan = json.loads(report.read_text())
     assert plan["world_size"] == 8 and plan["cpu_offload"] is False and plan["precision"] == "bf16"
+    assert 30.4e9 < plan["total_params"] < 30.7e9                     # the real architecture
+    assert plan["total_params"] / 8 <= plan["params_per_rank"] < plan["total_params"] / 8 * 1.01
     assert plan["per_rank_total_bytes"] <= 60 * 2 ** 30 and plan["fits"] is True
     per = plan["per_rank_bytes"]
     params = plan["params_per_rank"]
