@@ -85,7 +85,7 @@ class TrainingConfig:
     dry_run_world_size: Optional[int] = None
     dry_run_report: Optional[str] = None
     device_memory_gb: Optional[float] = None
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: float = 1800.0
     gradient_clipping: Optional[float] = 1.0
     epochs: int = 1
     gc_steps: int = 0
@@ -104,7 +104,7 @@ class TrainingConfig:
             raise ConfigError(f"training.dry_run_world_size={self.dry_run_world_size} must be >= 1.")
         if self.collective_timeout_s <= 0:
             raise ConfigError(f"training.collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds a "
-                              "collective may wait, e.g. 600).")
+                              "collective may wait, e.g. 1800).")
         if self.device_memory_gb is not None and self.device_memory_gb <= 0:
             raise ConfigError(f"training.device_memory_gb={self.device_memory_gb} must be > 0 (e.g. 64 for a "
                               "64 GB device), or null to skip the check.")

@@ -83,8 +83,7 @@ class Accelerator(accelerate.Accelerator):
                 gradient_accumulation_plugin=gradient_accumulation_plugin,
                 step_scheduler_with_optimizer=step_scheduler_with_optimizer, kwargs_handlers=kwargs_handlers)
         compat.mark_state_fsdp2(self.state, fsdp_plugin)
-        self.recipe = precision.check_recipe(precision.get_recipe(self.fsdp_config.precision), mixed_precision=
-            self.fsdp_config.mixed_precision, device_type=self.runtime.device_type, has_loss_scaler=self.scaler is not None)
+        self.recipe = precision.recipe_for(self.fsdp_config, self.runtime.device_type, self.scaler is not None)
         self._mesh = build_mesh(self.parallel_config, self.runtime.world_size, self.runtime.device_type)
         if seed is not None:
             set_seed(self.seed)         # accelerate's: python, numpy, torch and every accelerator

@@ -23,7 +23,8 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["Recipe", "RECIPES", "DEFAULT_RECIPE", "get_recipe", "check_recipe", "adapt_optimizer"]
+__all__ = ["Recipe", "RECIPES", "DEFAULT_RECIPE", "get_recipe", "check_recipe", "recipe_for",
+           "adapt_optimizer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,12 @@ def check_recipe(recipe: Recipe, *, mixed_precision: Optional[str], device_type:
                          f"this {device_type} device does not support. Fix: precision='fp32_master' with "
                          "mixed_precision='fp16' (and its loss scaler) or no mixed precision.")
     return recipe
+
+
+def recipe_for(fsdp_config, device_type: str, has_loss_scaler: bool) -> Recipe:
+    """The recipe an `FSDPConfig` names, checked against this device (`check_recipe`)."""
+    return check_recipe(get_recipe(fsdp_config.precision), mixed_precision=fsdp_config.mixed_precision,
+                        device_type=device_type, has_loss_scaler=has_loss_scaler)
 
 
 def adapt_optimizer(optimizer, recipe: Recipe) -> None:

@@ -1,6 +1,6 @@
-"""FSDP2 wrapping of a model: per-block `fully_shard`, meta-device materialisation,
-activation recompute, CPU offload, mixed precision and the precision recipe's parameter dtype. 0-d parameters, which `fully_shard`
-refuses, stay whole on every rank (`hyperacc.replicated`).
+"""FSDP2 wrapping of a model: per-block `fully_shard`, meta-device materialisation, activation
+recompute, CPU offload, mixed precision and the precision recipe's parameter dtype. 0-d parameters,
+which `fully_shard` refuses, stay whole on every rank (`hyperacc.replicated`).
 
 Why per block: each transformer block becomes one all-gather/reduce-scatter unit, so only one
 block's full parameters exist at a time; the root call covers what is left (embeddings, head).

@@ -121,6 +121,7 @@ class DirLock:
                              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         os.ftruncate(fd, 0)
         os.pwrite(fd, record.encode() + b"\n", 0)
+        os.fsync(fd)      # other nodes read it at once (`shared_problem`); NFS flushes on fsync, not on pwrite
         self._fd = fd
         return record + "\n"
 
