@@ -332,7 +332,7 @@ def train(cfg, tokenizer):
     step = acc.progress.global_step
     acc.wait_for_everyone()                    # step 1's time must not include another rank's start-up
     # A collective that times out (a rank died or hangs) becomes one line naming the silent rank(s).
-    with acc.runtime.heartbeat.watching(t.collective_timeout_s), metrics:  # metrics: flushed on a non-finite stop
+    with acc.runtime.heartbeat.watching(), metrics:    # metrics: flushed on a non-finite stop
         metrics.start()
         while step < t.max_steps and loader.epoch < t.epochs:
             epoch = loader.epoch

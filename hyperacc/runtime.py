@@ -36,8 +36,7 @@ class Runtime:
     launcher: str              # "accelerate" | "torchrun" | "python"
     owns_process_group: bool
     cpu_group: Optional[object] = None   # gloo group for CPU-side collectives (None: the default group)
-    timeout_s: float = 1800.0            # every collective gives up after this long
-    heartbeat: Optional[object] = None   # hyperacc.watchdog.Heartbeat: who went silent when one does
+    heartbeat: Optional[object] = None   # hyperacc.watchdog.Heartbeat: who went silent when a collective times out
 
     @property
     def device(self) -> torch.device:
@@ -188,8 +187,8 @@ def init_runtime(device_type: Optional[str] = None, timeout_s: Optional[float] =
         device_type=device_type, backend=backend, rank=dist.get_rank(),
         world_size=dist.get_world_size(), local_rank=local_rank,
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-        launcher=launcher, owns_process_group=owns, cpu_group=cpu_group, timeout_s=timeout_s,
-        heartbeat=Heartbeat(dist.get_rank(), dist.get_world_size()),
+        launcher=launcher, owns_process_group=owns, cpu_group=cpu_group,
+        heartbeat=Heartbeat(dist.get_rank(), dist.get_world_size(), timeout_s=timeout_s),
     )
 
 

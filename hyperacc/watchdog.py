@@ -49,8 +49,10 @@ def _launcher_store(timeout_s: float):
 class Heartbeat:
     """This rank's heartbeat thread, and the diagnosis of a timed-out collective (see module doc)."""
 
-    def __init__(self, rank: int, world_size: int, *, interval_s: float = 2.0, store=None):
-        self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
+    def __init__(self, rank: int, world_size: int, *, timeout_s: Optional[float] = None, interval_s: float = 2.0,
+                 store=None):
+        """``timeout_s``: the process group's collective timeout (named in the diagnosis)."""
+        self.rank, self.world_size, self.interval_s, self.timeout_s = rank, world_size, interval_s, timeout_s
         self._step, self._count = 0, 0     # the optimizer step this rank is working on; beats so far
         self._lock = threading.Lock()      # the thread and the training loop share one store client
         self.store = store if store is not None else (_launcher_store(10.0) if world_size > 1 else None)
@@ -110,21 +112,21 @@ class Heartbeat:
         return silent
 
     @contextlib.contextmanager
-    def watching(self, timeout_s: Optional[float] = None):
+    def watching(self):
         """Turn a collective timeout raised inside into a `CollectiveTimeout` naming the silent ranks."""
         try:
             yield
         except Exception as err:
-            message = self.explain(err, timeout_s)
+            message = self.explain(err)
             if message is None:
                 raise
             raise CollectiveTimeout(message) from err
 
-    def explain(self, err: BaseException, timeout_s: Optional[float] = None) -> Optional[str]:
+    def explain(self, err: BaseException) -> Optional[str]:
         """One line for a collective timeout (None for any other error)."""
         if not is_collective_timeout(err):
             return None
-        waited = f" after {timeout_s:g} s" if timeout_s else ""
+        waited = f" after {self.timeout_s:g} s" if self.timeout_s else ""
         if self.store is None:
             return (f"step {self.step}: a collective timed out{waited} on rank {self.rank}; no launcher store to "
                     "tell which rank went silent (run under torchrun / accelerate launch).")
