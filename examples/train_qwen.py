@@ -11,7 +11,6 @@ The library does the hard parts (sharding, exact accumulation, checkpoints, metr
 below is all there is to the training itself.
 """
 import datetime
-import json
 import os
 import sys
 import time
@@ -131,21 +130,17 @@ def memory_plan(cfg, world_size, vocab_size=None, device_type="cuda"):
 
 def check_fits(cfg, plan):
     """One ConfigError when the plan's device peak exceeds training.device_memory_gb."""
-    limit = cfg.training.device_memory_gb
-    if limit is None or plan.device_bytes <= limit * 1e9:
-        return
-    top = sorted(plan.bytes.items(), key=lambda kv: -kv[1])[:3]
-    parts = ", ".join(f"{name} {value / 2**30:.1f} GiB" for name, value in top)
-    raise ConfigError(f"the plan needs {plan.device_bytes / 2**30:.1f} GiB per rank on {plan.world_size} rank(s) "
-                      f"(largest: {parts}) but training.device_memory_gb={limit:g} ({limit * 1e9 / 2**30:.1f} GiB). "
-                      "Fix: a leaner recipe (--fsdp.precision=bf16 or bf16_sr), "
-                      "--fsdp.activation_checkpointing=true, a smaller micro-batch, more ranks, or "
-                      "--fsdp.cpu_offload=true; --training.dry_run=true prints the whole plan.")
+    from hyperacc.dry_run import check_fits as plan_fits
+
+    try:
+        plan_fits(plan, cfg.training.device_memory_gb)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def dry_run(cfg, world_size):
     """Plan the sharding for `world_size` ranks and estimate memory per rank; no process group."""
-    from hyperacc.dry_run import format_plan, plan_report
+    from hyperacc.dry_run import format_plan, write_report
     from hyperacc.runtime import DEVICE_ENV
 
     vocab = None if "vocab_size" in cfg.model.overrides else _tokenizer(cfg)
@@ -153,15 +148,10 @@ def dry_run(cfg, world_size):
     plan = memory_plan(cfg, world_size, vocab, device_type)
     print(format_config(cfg))
     print(format_plan(plan))
-    report = cfg.training.dry_run_report
-    if report:
-        limit = cfg.training.device_memory_gb
-        data = plan_report(plan, device_type=device_type, device_memory_bytes=None if limit is None else int(limit * 1e9),
-                           fits=None if limit is None else plan.device_bytes <= limit * 1e9)
-        os.makedirs(os.path.dirname(os.path.abspath(report)), exist_ok=True)
-        with open(report, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-        print(f"plan written to {report}")
+    if cfg.training.dry_run_report:
+        write_report(plan, cfg.training.dry_run_report, device_type=device_type,
+                     device_memory_gb=cfg.training.device_memory_gb)
+        print(f"plan written to {cfg.training.dry_run_report}")
     check_fits(cfg, plan)
 
 

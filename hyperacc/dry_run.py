@@ -34,7 +34,9 @@ forward), CP all-to-all of q, k, v and the attention output.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from typing import Dict, List, Optional
 
 import torch
@@ -42,7 +44,7 @@ import torch.nn as nn
 
 from hyperacc.precision import get_recipe
 
-__all__ = ["ShardingPlan", "plan_sharding", "format_plan", "plan_report"]
+__all__ = ["ShardingPlan", "plan_sharding", "format_plan", "plan_report", "write_report", "check_fits"]
 
 _COMPUTE_BYTES = {"bf16": 2, "fp16": 2}
 PERSISTENT = ("params", "grads", "optimizer states")
@@ -342,3 +344,31 @@ def plan_report(plan: ShardingPlan, **extra) -> dict:
             "per_rank_bytes": {k: int(v) for k, v in plan.bytes.items()},
             "per_rank_total_bytes": int(plan.device_bytes), "host_bytes_per_rank": int(plan.host_bytes),
             "notes": list(plan.notes), **extra}
+
+
+def fits(plan: ShardingPlan, device_memory_gb: Optional[float]) -> Optional[bool]:
+    """Whether the plan's device peak fits ``device_memory_gb`` (GB = 10^9 bytes); None when unknown."""
+    return None if device_memory_gb is None else plan.device_bytes <= device_memory_gb * 1e9
+
+
+def write_report(plan: ShardingPlan, path: str, *, device_type: str, device_memory_gb: Optional[float]) -> None:
+    """`plan_report` as JSON at ``path`` (parents created), with the device and the fit verdict."""
+    data = plan_report(plan, device_type=device_type, fits=fits(plan, device_memory_gb),
+                       device_memory_bytes=None if device_memory_gb is None else int(device_memory_gb * 1e9))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2)
+
+
+def check_fits(plan: ShardingPlan, device_memory_gb: Optional[float]) -> None:
+    """One ValueError, naming the three largest categories and what to change, when the plan's
+    device peak exceeds ``device_memory_gb``."""
+    if fits(plan, device_memory_gb) is not False:
+        return
+    top = sorted(plan.bytes.items(), key=lambda kv: -kv[1])[:3]
+    parts = ", ".join(f"{name} {value / 2**30:.1f} GiB" for name, value in top)
+    raise ValueError(f"the plan needs {plan.device_bytes / 2**30:.1f} GiB per rank on {plan.world_size} rank(s) "
+                     f"(largest: {parts}) but training.device_memory_gb={device_memory_gb:g} "
+                     f"({device_memory_gb * 1e9 / 2**30:.1f} GiB). Fix: a leaner recipe (--fsdp.precision=bf16 or "
+                     "bf16_sr), --fsdp.activation_checkpointing=true, a smaller micro-batch, more ranks, or "
+                     "--fsdp.cpu_offload=true; --training.dry_run=true prints the whole plan.")
