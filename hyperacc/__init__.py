@@ -3,7 +3,7 @@ from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
 
 __version__ = "0.1.0"
 __all__ = ["Accelerator", "ParallelConfig", "FSDPConfig", "CheckpointConfig", "MicroBatchDataLoader",
-           "prepare"]
+           "prepare", "ReplicaGuard", "ReplicaMismatchError"]
 
 
 def __getattr__(name):
@@ -15,4 +15,7 @@ def __getattr__(name):
     if name == "MicroBatchDataLoader":
         from hyperacc.data.loader import MicroBatchDataLoader
         return MicroBatchDataLoader
+    if name in ("ReplicaGuard", "ReplicaMismatchError"):
+        from hyperacc import replica_guard
+        return getattr(replica_guard, name)
     raise AttributeError(f"module 'hyperacc' has no attribute {name!r}")

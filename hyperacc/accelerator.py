@@ -169,7 +169,7 @@ class Accelerator(accelerate.Accelerator):
         if getattr(optimizer, "_is_accelerate_prepared", False) or isinstance(optimizer, accelerate.optimizer.AcceleratedOptimizer):
             raise ValueError("This optimizer was already prepared.")
         rebind_optimizer(optimizer, self._params)
-        precision.adapt_optimizer(optimizer, self.recipe)
+        precision.adapt_optimizer(optimizer, self.recipe, seed=self.seed, names=self._params.names())
         if not self._optimizers:      # progress counts the steps of the first optimizer
             optimizer.register_step_post_hook(lambda *_: self._count_step())
         return super().prepare_optimizer(optimizer, device_placement=device_placement)

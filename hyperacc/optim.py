@@ -7,21 +7,26 @@ time, so the copies are transient), stores the moments in ``state_dtype`` and wr
 back rounded to nearest or stochastically. With fp32 parameters and fp32 moments it performs
 exactly the operations of ``torch.optim.AdamW(foreach=False)`` in the same order (bitwise equal).
 
-Stochastic rounding draws its random bits from a generator seeded by (seed, step, parameter index,
-shard coordinate): no RNG state to checkpoint, and a resumed run rounds exactly as the uninterrupted
-one did. Its state entries (``step``, ``exp_avg``, ``exp_avg_sq``) are named as torch's, so
-checkpoints convert between the two by a cast.
+Stochastic rounding is keyed by what each element *is*: its random bits are a hash of (seed, step,
+parameter name, the element's index in the full, unsharded tensor). Every replica of a shard (HSDP,
+parameters kept whole on every rank) therefore rounds the same update identically, and the rounding
+does not depend on how the tensor is sharded: a bf16 run resumed at another DP size rounds exactly
+as the uninterrupted one would have. There is no RNG state to checkpoint. Its state entries
+(``step``, ``exp_avg``, ``exp_avg_sq``) are named as torch's, so checkpoints convert between the two
+by a cast.
 
 ``state_dtype`` / ``stochastic_rounding`` left as None follow the Accelerator's precision recipe at
 ``prepare`` (fp32 moments, round to nearest when never prepared).
 """
 from __future__ import annotations
 
-import zlib
-from typing import Optional
+import math
+from typing import Dict, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from hyperacc.rounding import element_indices, rounding_key, rounding_noise, stochastic_round_
 
 __all__ = ["AdamW", "stochastic_round_"]
 
@@ -30,32 +35,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def stochastic_round_(target: torch.Tensor, value: torch.Tensor, generator: torch.Generator) -> None:
-    """Write fp32 ``value`` into bf16 ``target``, rounding each element up or down with probability
-    proportional to its distance: add 16 random bits below bf16's mantissa, then truncate."""
-    bits = value.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=generator)
-    rounded = (bits + noise).bitwise_and_(-65536)          # 0xFFFF0000: keep sign, exponent, 7 mantissa bits
-    target.copy_(rounded.view(torch.float32))               # exact: the low 16 bits are zero
-
-
 class AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) that is exact for bf16 parameters; see the module docstring."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, state_dtype: Optional[torch.dtype] = None,
-                 stochastic_rounding: Optional[bool] = None, seed: int = 0):
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"AdamW: lr={lr}, eps={eps} and weight_decay={weight_decay} must be >= 0.")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"AdamW: betas={tuple(betas)} must lie in [0, 1).")
+                 stochastic_rounding: Optional[bool] = None, seed: Optional[int] = None):
+        # Written `not (in range)`: NaN fails every comparison, so it is refused too (and inf by isfinite).
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            if not (float(value) >= 0 and math.isfinite(float(value))):
+                raise ValueError(f"AdamW: {name}={value} must be a finite number >= 0.")
+        if len(tuple(betas)) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+            raise ValueError(f"AdamW: betas={tuple(betas)} must be two numbers in [0, 1).")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.state_dtype = state_dtype
         self.stochastic_rounding = stochastic_rounding
-        self.seed = int(seed)
+        self.seed = None if seed is None else int(seed)     # None: the Accelerator's seed at prepare
+        self.param_names: Dict[int, str] = {}               # id(param) -> name, given at prepare
 
-    def follow_recipe(self, recipe) -> None:
-        """Take the recipe's moment dtype and rounding for whatever the constructor left unset."""
+    def follow_recipe(self, recipe, *, seed: Optional[int] = None, names: Optional[Dict[int, str]] = None) -> None:
+        """Take the recipe's moment dtype and rounding, and the run's seed, for whatever the
+        constructor left unset; ``names`` (id(param) -> parameter name) key the rounding."""
+        if self.seed is None and seed is not None:
+            self.seed = int(seed)
+        if names:
+            self.param_names.update(names)
         if self.state_dtype is None:
             self.state_dtype = recipe.state_dtype
         if self.stochastic_rounding is None:
@@ -88,18 +92,15 @@ class AdamW(torch.optim.Optimizer):
         state["step"] += 1
         step = float(state["step"])
         tensors = [_local(param), _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"])]
-        for n, pieces in enumerate(_chunks(tensors)):
-            generator = None
-            if self.stochastic_rounding and tensors[0].dtype == torch.bfloat16:
-                generator = self._generator(param, int(step), index, n)
-            _adamw_(*pieces, group, step, generator)
-
-    def _generator(self, param: torch.Tensor, step: int, index: int, chunk: int) -> torch.Generator:
-        where = tuple(param.device_mesh.get_coordinate() or ()) if isinstance(param, DTensor) else ()
-        seed = zlib.crc32(f"{self.seed}:{step}:{index}:{chunk}:{where}".encode())
-        generator = torch.Generator(device=_local(param).device)
-        generator.manual_seed(seed)
-        return generator
+        rounded = self.stochastic_rounding and tensors[0].dtype == torch.bfloat16
+        key = rounding_key(self.seed or 0, int(step), self.param_names.get(id(param), f"#{index}")) if rounded else None
+        start = 0
+        for pieces in _chunks(tensors):
+            noise = None
+            if key is not None:
+                noise = rounding_noise(key, element_indices(param, start, pieces[0].numel()))
+            _adamw_(*pieces, group, step, noise)
+            start += pieces[0].numel()
 
 
 CHUNK = 1 << 22     # elements updated at a time: the fp32 copies of a huge shard stay ~100 MB
@@ -114,7 +115,7 @@ def _chunks(tensors):
     return [[f[start:start + CHUNK] for f in flat] for start in range(0, numel, CHUNK)]
 
 
-def _adamw_(stored, grad, m_stored, v_stored, group: dict, step: float, generator) -> None:
+def _adamw_(stored, grad, m_stored, v_stored, group: dict, step: float, noise) -> None:
     """One AdamW update of one (piece of a) parameter, in fp32, written back into the stored dtypes."""
     lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     grad = grad.float()
@@ -129,7 +130,7 @@ def _adamw_(stored, grad, m_stored, v_stored, group: dict, step: float, generato
     for target, value in ((m_stored, m), (v_stored, v), (stored, p)):
         if target is value or target.data_ptr() == value.data_ptr():
             continue
-        if generator is not None and target is stored:
-            stochastic_round_(stored, p, generator)
+        if noise is not None and target is stored:
+            stochastic_round_(stored, p, noise)
         else:
             target.copy_(value)

@@ -19,13 +19,19 @@ class ParameterMap:
     def __init__(self):
         self._replaced: Dict[int, tuple] = {}      # id(original) -> (weakref(original), sharded)
         self._sharded_ids: set = set()
+        self._names: Dict[int, str] = {}           # id(sharded) -> its name before sharding
 
     def record(self, model: torch.nn.Module, originals: Dict[str, torch.Tensor]) -> None:
         """``originals``: name -> parameter before sharding; ``model``: after sharding."""
         sharded = dict(model.named_parameters())
         for name, original in originals.items():
             self._replaced[id(original)] = (weakref.ref(original), sharded[name])
+            self._names[id(sharded[name])] = name
         self._sharded_ids.update(id(p) for p in sharded.values())
+
+    def names(self) -> Dict[int, str]:
+        """id(sharded parameter) -> the name it had before `prepare` (the same on every layout)."""
+        return dict(self._names)
 
     def lookup(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         if id(param) in self._sharded_ids:

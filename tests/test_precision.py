@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dist_utils import REPO, run_python, run_torchrun
-from hyperacc import FSDPConfig, optim
+from hyperacc import FSDPConfig, optim, rounding
 from hyperacc.precision import RECIPES, adapt_optimizer, check_recipe, get_recipe
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
@@ -45,17 +45,39 @@ def test_adamw_in_fp32_is_torch_adamw_bitwise(monkeypatch, chunk):
 
 def test_stochastic_rounding_is_unbiased_exact_and_reproducible():
     value = torch.full((200_000,), 1.0 + 2 ** -10)           # a quarter of a bf16 step above 1.0
+    noise = rounding.rounding_noise(rounding.rounding_key(3, 1, "w"), torch.arange(value.numel()))
     out = torch.empty_like(value, dtype=torch.bfloat16)
-    optim.stochastic_round_(out, value, torch.Generator().manual_seed(3))
+    optim.stochastic_round_(out, value, noise)
     assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
     assert out.float().mean().item() == pytest.approx(1.0 + 2 ** -10, abs=2e-5)   # round-to-nearest: 1.0
     again = torch.empty_like(out)
-    optim.stochastic_round_(again, value, torch.Generator().manual_seed(3))
+    optim.stochastic_round_(again, value, noise.clone())
     assert torch.equal(out, again)
     exact = torch.tensor([0.5, -3.0, 1.5, 0.0])                  # representable: never moved
     target = torch.empty(4, dtype=torch.bfloat16)
-    optim.stochastic_round_(target, exact, torch.Generator().manual_seed(0))
+    optim.stochastic_round_(target, exact, rounding.rounding_noise((0, 0), torch.arange(4)))
     assert torch.equal(target.float(), exact)
+
+
+def test_rounding_noise_is_uniform_keyed_and_decorrelated():
+    indices = torch.arange(1 << 18)
+    a = rounding.rounding_noise(rounding.rounding_key(0, 1, "w"), indices)
+    assert a.dtype == torch.int32 and int(a.min()) >= 0 and int(a.max()) < 1 << 16
+    counts = torch.bincount(a >> 12, minlength=16).double()      # 16 buckets of the 16 bits
+    assert (counts / counts.mean() - 1).abs().max() < 0.03
+    for other in (rounding.rounding_key(0, 2, "w"), rounding.rounding_key(1, 1, "w"), rounding.rounding_key(0, 1, "v")):
+        b = rounding.rounding_noise(other, indices)               # another step, seed or parameter
+        assert (a == b).double().mean() < 1e-3
+        assert abs(torch.corrcoef(torch.stack([a.double(), b.double()]))[0, 1]) < 0.01
+    big = torch.tensor([5, 5 + (1 << 32)])                       # indices past 2**32 differ too
+    assert rounding.rounding_noise((0, 0), big).unique().numel() == 2
+
+
+def test_element_indices_of_plain_tensors_are_row_major_positions():
+    t = torch.empty(3, 4, 5).transpose(0, 2)                     # any logical shape, any strides
+    assert torch.equal(rounding.element_indices(t), torch.arange(60))
+    assert torch.equal(rounding.element_indices(t, 7, 10), torch.arange(7, 17))
+    assert torch.equal(rounding.element_indices(torch.tensor(2.0)), torch.tensor([0]))
 
 
 def test_small_updates_survive_stochastic_rounding_and_vanish_when_rounded_to_nearest():

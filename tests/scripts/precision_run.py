@@ -1,7 +1,8 @@
 """Train a tiny Qwen3-MoE under a precision recipe on real FSDP2 processes; report dtypes and losses.
 
     torchrun --nproc_per_node=2 precision_run.py OUT.json --precision bf16_sr --ckpt DIR --steps 4
-        [--save-steps 2] [--restore PATH] [--export DIR]
+        [--save-steps 2] [--restore PATH] [--export DIR] [--replicate 2] [--guard-every N]
+        [--perturb STEP] [--dump DIR]
 Rank 0 writes OUT.json: per-step loss and grad norm, the dtypes of parameters, gradients and AdamW
 states as they are during training, and the warnings raised by load_state.
 """
@@ -32,6 +33,16 @@ def dtypes(tensors):
     return sorted({str(t.dtype).replace("torch.", "") for t in tensors})
 
 
+def perturb_one_ulp(model):
+    """Rank 1's copy of the first parameter replicated over dp_replicate moves by one ulp."""
+    for _, param in model.named_parameters():
+        if any(pl.is_replicate() for pl in getattr(param, "placements", ())):
+            local = param.to_local().detach().view(-1)
+            with torch.no_grad():
+                local[0] = torch.nextafter(local[0], local[0] + 1)
+            return
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -42,33 +53,55 @@ def main():
     p.add_argument("--restore", default=None)
     p.add_argument("--export", default=None)
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--replicate", type=int, default=1, help="dp_replicate_size (HSDP)")
+    p.add_argument("--guard-every", type=int, default=None, help="a hyperacc.ReplicaGuard checking every N steps")
+    p.add_argument("--perturb", type=int, default=None, help="after this step, move one element of rank 1's "
+                   "copy of the first replicated parameter by one ulp")
+    p.add_argument("--dump", default=None, help="write each rank's local parameter shards to DIR/rank<R>.pt")
     args = p.parse_args()
 
     acc = hyperacc.Accelerator(
-        fsdp=hyperacc.FSDPConfig(precision=args.precision), parallel=hyperacc.ParallelConfig(ep_size=args.ep),
+        fsdp=hyperacc.FSDPConfig(precision=args.precision),
+        parallel=hyperacc.ParallelConfig(ep_size=args.ep, dp_replicate_size=args.replicate),
         checkpoint=hyperacc.CheckpointConfig(checkpoint_dir=args.ckpt, save_steps=args.save_steps, save_epochs=0,
                                              restore_from=args.restore), seed=3)
     model = build_causal_lm(qwen3_moe_config(), meta_device=True, router_aux_loss=False)
     optimizer = AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     loader = hyperacc.MicroBatchDataLoader(Tokens(), global_batch_size=4, micro_batch_size=1, seed=5)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    guard = hyperacc.ReplicaGuard(acc, every=args.guard_every) if args.guard_every is not None else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         acc.load_state()
     record = {"start": acc.progress.global_step, "steps": {}, "warnings": [str(w.message) for w in caught],
               "param_dtypes": dtypes(model.parameters())}
-    for batch in loader:
-        if acc.progress.global_step >= args.steps:
-            break
-        with acc.accumulate(model, batch) as micro_batches:
-            for mb in micro_batches:
-                acc.backward(model(**mb).loss)
-        record["grad_dtypes"] = dtypes(p.grad for p in model.parameters() if p.grad is not None)
-        norm = acc.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        record["steps"][acc.progress.global_step] = {"loss": acc.step_loss, "grad_norm": float(norm)}
-        acc.step_end()
+    stopped = False
+    while acc.progress.global_step < args.steps and not stopped:      # epochs of 16 steps
+        for batch in loader:
+            if acc.progress.global_step >= args.steps:
+                break
+            with acc.accumulate(model, batch) as micro_batches:
+                for mb in micro_batches:
+                    acc.backward(model(**mb).loss)
+            record["grad_dtypes"] = dtypes(p.grad for p in model.parameters() if p.grad is not None)
+            norm = acc.clip_grad_norm_(model.parameters(), args.clip)
+            optimizer.step()
+            optimizer.zero_grad()
+            record["steps"][acc.progress.global_step] = {"loss": acc.step_loss, "grad_norm": float(norm)}
+            if args.perturb == acc.progress.global_step and acc.process_index == 1:
+                perturb_one_ulp(model)
+            if guard is not None:
+                try:
+                    guard.maybe_check(acc.progress.global_step, loss=acc.step_loss)
+                except hyperacc.ReplicaMismatchError as err:
+                    record["mismatch"] = {"step": acc.progress.global_step, "error": str(err)}
+                    stopped = True
+                    break
+            acc.step_end()
+    if args.dump:
+        local = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
+        torch.save(local, f"{args.dump}/rank{acc.process_index}.pt")
     record["state_dtypes"] = dtypes(v for s in optimizer.optimizer.state.values() for k, v in s.items() if k != "step")
     record["stochastic_rounding"] = optimizer.optimizer.stochastic_rounding
     if args.export:
