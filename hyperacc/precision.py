@@ -105,13 +105,14 @@ def recipe_for(fsdp_config, device_type: str, has_loss_scaler: bool) -> Recipe:
                         device_type=device_type, has_loss_scaler=has_loss_scaler)
 
 
-def adapt_optimizer(optimizer, recipe: Recipe) -> None:
+def adapt_optimizer(optimizer, recipe: Recipe, *, seed: Optional[int] = None,
+                    names: Optional[Dict[int, str]] = None) -> None:
     """At ``prepare``: give a `hyperacc.optim.AdamW` the recipe's moment dtype and rounding, and
     refuse torch's Adam/AdamW under a bf16 recipe (bf16 moments, small updates rounded away)."""
     from hyperacc.optim import AdamW
 
     if isinstance(optimizer, AdamW):
-        optimizer.follow_recipe(recipe)
+        optimizer.follow_recipe(recipe, seed=seed, names=names)   # the run's seed, names key the rounding
         return
     if not recipe.low_precision:
         return
@@ -119,7 +120,9 @@ def adapt_optimizer(optimizer, recipe: Recipe) -> None:
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise ValueError(f"precision={recipe.name!r} stores bf16 parameters, and {name} would keep bf16 moments "
                          "and round every update to nearest (small updates vanish). Fix: "
-                         "hyperacc.optim.AdamW(params, lr=..., betas=..., weight_decay=...) -- same arguments; "
-                         "its states and rounding follow the recipe.")
+                         "hyperacc.optim.AdamW(params, lr=..., betas=..., eps=..., weight_decay=...) -- "
+                         "torch.optim.AdamW's arguments but amsgrad/maximize, decoupled weight decay (torch.optim."
+                         "Adam's weight_decay is an L2 term); its states and rounding follow the recipe -- or "
+                         f"precision='fp32_master' to keep {name}.")
     warnings.warn(f"precision={recipe.name!r}: {name} updates the bf16 parameters in its own arithmetic; "
                   "hyperacc.optim.AdamW computes in fp32 and keeps the recipe's states.", stacklevel=3)
