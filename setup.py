@@ -12,7 +12,9 @@ setup(
     install_requires=[
         "torch>=2.6",
         "accelerate>=1.0",
-        "transformers>=4.51",
+        # 5.23: transformers.distributed.expert_parallel.apply_expert_parallelism(..., ep_implementation=)
+        # (EP); tensor_parallel's styles (TP) and the fused MoE experts / experts_implementation also 5.x.
+        "transformers>=5.23",
         "datasets>=2.18",
         "tokenizers>=0.19",
         "safetensors>=0.4",

@@ -102,15 +102,23 @@ class TrainingConfig:
         check_batch(self)
         if self.dry_run_world_size is not None and self.dry_run_world_size < 1:
             raise ConfigError(f"training.dry_run_world_size={self.dry_run_world_size} must be >= 1.")
-        if self.collective_timeout_s <= 0:
-            raise ConfigError(f"training.collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds a "
-                              "collective may wait, e.g. 1800).")
-        if self.device_memory_gb is not None and self.device_memory_gb <= 0:
-            raise ConfigError(f"training.device_memory_gb={self.device_memory_gb} must be > 0 (e.g. 64 for a "
-                              "64 GB device), or null to skip the check.")
-        if self.gradient_clipping is not None and self.gradient_clipping < 0:
-            raise ConfigError(f"training.gradient_clipping={self.gradient_clipping} must be >= 0 "
-                              "(0 or null disables clipping).")
+        # Each range is written `not (in range)`: NaN fails every comparison, so it is refused as well.
+        if not 0 < self.collective_timeout_s <= MAX_TIMEOUT_S:
+            raise ConfigError(f"training.collective_timeout_s={self.collective_timeout_s} must be a number of seconds "
+                              f"> 0 and <= {MAX_TIMEOUT_S:.0f} (how long a collective may wait before the job stops). "
+                              "Fix: --training.collective_timeout_s=1800")
+        memory = self.device_memory_gb
+        if memory is not None and not (memory > 0 and math.isfinite(memory)):
+            raise ConfigError(f"training.device_memory_gb={self.device_memory_gb} must be a finite number > 0 (the "
+                              "memory of one device in GB). Fix: e.g. --training.device_memory_gb=64 for a 64 GB "
+                              "device, or --training.device_memory_gb=null to skip the check.")
+        if self.gradient_clipping is not None and not (self.gradient_clipping >= 0
+                                                       and math.isfinite(self.gradient_clipping)):
+            raise ConfigError(f"training.gradient_clipping={self.gradient_clipping} must be a finite number >= 0. "
+                              "Fix: e.g. --training.gradient_clipping=1.0, or 0 / null to disable clipping.")
+
+
+MAX_TIMEOUT_S = 1e9    # ~31 years: finite, and within what timedelta and the process group's timeout hold
 
 
 def check_batch(training: "TrainingConfig", dp_size: int = 1) -> int:

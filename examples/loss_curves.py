@@ -1,64 +1,121 @@
 """Loss-curve consistency across parallel layouts (the RFC's first acceptance item).
 
 Runs examples/train_qwen.py once per layout -- same seed, same data, same global batch -- and
-compares every step's loss with the first layout's:
+compares every step's loss with the first layout's (the reference):
 
     python examples/loss_curves.py                       # the default layouts, 500 steps
     python examples/loss_curves.py --steps 100 --layouts dp1 dp2 dp2-rc dp1-mb4 --out runs/curves
     python examples/loss_curves.py -- --fsdp.precision=bf16     # anything after -- goes to every run
+    python examples/loss_curves.py --replot --out runs/curves   # analyse a saved run again
 
 A layout is tokens joined by "-": dp<N> (data-parallel shards), tp<N>, cp<N>, ep<N> (expert
 parallelism inside the dp x cp x tp ranks), mb<N> (micro-batch size: with the global batch fixed,
-a smaller one means more accumulation), rc (activation recompute). It runs on dp x cp x tp
-processes (plain python for one, `accelerate launch` on gloo otherwise).
+a smaller one means more accumulation), rc (activation recompute); every N is >= 1. It runs on
+dp x cp x tp processes (plain python for one, `accelerate launch` on gloo otherwise).
 
-Writes OUT/curves.json (per layout: steps, loss, aux_loss, grad_norm), OUT/curves.png (the curves
-and their relative deviation from the reference; needs matplotlib: pip install hyperacc[plot])
-and prints, per layout: the largest relative deviation of the loss at any step, how many steps
-stayed within 1e-5 (the exact regime), and the largest relative deviation of the moving average
-over --window steps. Why the last one decides: layouts sum in different orders, so fp32 results
-differ in the last bits; in an MoE, once such a difference flips one token's top-k choice the
-curves part like two runs of a chaotic system (here after ~60-80 steps) while staying the same
-curve. Exit code 1 when a layout's moving average deviates by more than --tolerance, 2 for a
-layout this machine cannot run; --replot re-reads OUT/curves.json instead of training.
+Writes OUT/curves.json (the reference and, per layout: steps, loss, aux_loss, grad_norm),
+OUT/curves.png (the curves and their relative deviation from the reference; needs matplotlib:
+pip install hyperacc[plot]) and prints, per layout: the largest relative deviation of the loss at
+any step, how many steps stayed within 1e-5 (the exact regime), and the largest relative deviation
+of the moving average over --window steps. Why the last one decides: layouts sum in different
+orders, so fp32 results differ in the last bits; in an MoE, once such a difference flips one
+token's top-k choice the curves part like two runs of a chaotic system (here after ~60-80 steps)
+while staying the same curve.
+
+Curves are compared by step number, not by position. A step recorded more than once (a metrics
+file that a resumed run appended to) counts with its LAST record, and the tool says so. A curve
+that cannot be compared fails: a loss that is NaN/inf (or missing) at any step, in a layout or in
+the reference (the first such step is named); a layout missing steps the reference has, or having
+steps it lacks (the steps are named); a reference lacking some of the steps 1..--steps asked for
+(with --replot: the number recorded in curves.json).
+
+Exit codes: 0 every layout within --tolerance; 1 a layout beyond it, or a curve that cannot be
+compared (above), or a run that failed; 2 bad input, reported in one line before anything runs
+and before anything is written to OUT: a bad argument (--steps/--window < 1, --tolerance negative
+or not finite), a layout that cannot be parsed, or that this machine or the example cannot run
+(process count, ep vs ranks, the global batch vs dp x mb, tp/cp vs the heads, ep vs the experts,
+a flag after --); with --replot, a missing or malformed OUT/curves.json.
+
+--replot re-reads OUT/curves.json instead of training and compares against the reference recorded
+there; with --layouts as well, only those saved layouts are analysed, the first as the reference.
 """
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "examples", "train_qwen.py")
+EXAMPLES = os.path.join(REPO, "examples")
+SCRIPT = os.path.join(EXAMPLES, "train_qwen.py")
 LAUNCH_CONFIG = os.path.join(REPO, "accelerate_configs", "cpu_fsdp2_2proc.yaml")
 DEFAULT_LAYOUTS = ["dp1", "dp2", "dp1-mb4", "dp2-rc", "dp2-ep2", "cp2", "tp2"]
 TOKEN = re.compile(r"^(dp|tp|cp|ep|mb)(\d+)$|^rc$")
+EXACT = 1e-5          # "exact": relative deviation within this (fp32 last-bit differences)
 
 
-class LayoutError(ValueError):
+class InputError(ValueError):
+    """Bad input (exit 2): an argument, a layout, or a saved curves.json. One line, with the fix."""
+
+
+class LayoutError(InputError):
     """A layout that cannot be parsed or run here."""
 
 
+# ------------------------------------------------------------------ arguments and layouts
+def check_args(args) -> None:
+    """Nonsense numbers fail here, in one line, rather than as a ZeroDivisionError mid-analysis or a
+    tolerance that no deviation can exceed (NaN compares False with everything)."""
+    if args.steps < 1:
+        raise InputError(f"--steps {args.steps}: the run needs at least one step. Fix: e.g. --steps 100.")
+    if args.window < 1:
+        raise InputError(f"--window {args.window}: the moving average needs at least one step. Fix: e.g. --window 25.")
+    if not math.isfinite(args.tolerance) or args.tolerance < 0:
+        raise InputError(f"--tolerance {args.tolerance:g}: must be a finite number >= 0. Fix: e.g. --tolerance 5e-3.")
+    names = args.layouts or []
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise InputError(f"--layouts: {', '.join(twice)} given more than once. Fix: name each layout once.")
+
+
 def parse_layout(text: str) -> dict:
-    """"dp2-ep2-rc" -> {"dp": 2, "tp": 1, "cp": 1, "ep": 2, "mb": None, "rc": True}."""
+    """"dp2-ep2-rc" -> {"dp": 2, "tp": 1, "cp": 1, "ep": 2, "mb": None, "rc": True}.
+
+    Sizes must be >= 1 (ep0 would divide by zero) and each token may appear once (dp2-dp4 is
+    ambiguous)."""
     layout = {"dp": 1, "tp": 1, "cp": 1, "ep": 1, "mb": None, "rc": False}
+    seen = set()
     for token in text.split("-"):
         match = TOKEN.match(token)
         if not match:
             raise LayoutError(f"layout {text!r}: {token!r} is not one of dp<N>, tp<N>, cp<N>, ep<N>, mb<N>, rc")
-        if token == "rc":
+        kind = match.group(1) or "rc"
+        if kind in seen:
+            raise LayoutError(f"layout {text!r}: {kind} is given twice. Fix: give each of dp, tp, cp, ep, mb, rc once.")
+        seen.add(kind)
+        if kind == "rc":
             layout["rc"] = True
-        else:
-            layout[match.group(1)] = int(match.group(2))
+            continue
+        size = int(match.group(2))
+        if size < 1:
+            raise LayoutError(f"layout {text!r}: {token!r} must be >= 1. Fix: e.g. {kind}1, or leave {kind} out.")
+        layout[kind] = size
     return layout
 
 
+def processes(layout: dict) -> int:
+    return layout["dp"] * layout["tp"] * layout["cp"]
+
+
 def check_layouts(layouts, cpus: int) -> None:
-    """Every problem before anything runs: sizes that do not compose, or more processes than can run."""
+    """The cheap checks first: sizes that do not compose, or more processes than can run here."""
     for name, layout in layouts.items():
-        procs = layout["dp"] * layout["tp"] * layout["cp"]
-        if (procs % layout["ep"]) or min(v for k, v in layout.items() if k in ("dp", "tp", "cp", "ep")) < 1:
+        procs = processes(layout)
+        if procs % layout["ep"]:
             raise LayoutError(f"layout {name!r}: ep{layout['ep']} must divide the dp x cp x tp = {procs} ranks.")
         if procs > max(8, 2 * cpus):
             raise LayoutError(f"layout {name!r} needs {procs} processes; this machine has {cpus} CPU(s) "
@@ -74,14 +131,53 @@ def flags(layout: dict) -> list:
     return out
 
 
+def train_args(name: str, layout: dict, steps: int, out_dir: str, extra: list) -> list:
+    """The example's arguments for one layout: what run() launches and check_runnable() checks."""
+    metrics = os.path.join(out_dir, f"{name}.jsonl")
+    return [*flags(layout), f"--training.max_steps={steps}", "--training.epochs=1000", "--eval.eval_steps=0",
+            f"--logging.metrics_file={metrics}", "--logging.progress_bar=false", "--checkpoint.save_ckpt=false",
+            *extra]
+
+
+def check_runnable(layouts: dict, steps: int, out_dir: str, extra: list) -> None:
+    """Every layout through the example's own checks (its config parser, preflight and sharding
+    planner, in this process, without a process group) before the first launch: a layout the
+    example would refuse -- a global batch that dp x mb does not divide, a tp or cp that does not
+    divide the heads, an ep that does not divide the experts, a bad flag after -- -- is an input
+    error now instead of a failed run after others have trained for minutes."""
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import train_qwen
+    from hyperacc.cli_config import ConfigError
+
+    for name, layout in layouts.items():
+        world = processes(layout)
+        argv = [*train_args(name, layout, steps, out_dir, extra),
+                "--training.dry_run=true", f"--training.dry_run_world_size={world}"]   # plan for `world` ranks
+        try:
+            cfg, world = train_qwen.load_config(argv)
+            tokenizer = train_qwen.preflight(cfg, world)
+            train_qwen.memory_plan(cfg, world, len(tokenizer), "cpu")
+        except ConfigError as err:
+            text = " ".join(str(err).split())
+            raise LayoutError(f"layout {name!r} cannot run: {text}") from None
+
+
+# ------------------------------------------------------------------ running
+def read_metrics(path: str) -> dict:
+    """The per-step records of a metrics JSONL as lists (records without a loss are not steps)."""
+    with open(path) as handle:
+        rows = [json.loads(line) for line in handle if line.strip()]
+    rows = [row for row in rows if "loss" in row]
+    return {key: [row.get(key) for row in rows] for key in ("step", "loss", "aux_loss", "grad_norm")}
+
+
 def run(name: str, layout: dict, steps: int, out_dir: str, extra: list) -> dict:
     metrics = os.path.join(out_dir, f"{name}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    args = [*flags(layout), f"--training.max_steps={steps}", "--training.epochs=1000", "--eval.eval_steps=0",
-            f"--logging.metrics_file={metrics}", "--logging.progress_bar=false", "--checkpoint.save_ckpt=false",
-            *extra]
-    procs = layout["dp"] * layout["tp"] * layout["cp"]
+    args = train_args(name, layout, steps, out_dir, extra)
+    procs = processes(layout)
     if procs == 1:
         cmd = [sys.executable, SCRIPT, *args]
     else:
@@ -93,17 +189,130 @@ def run(name: str, layout: dict, steps: int, out_dir: str, extra: list) -> dict:
         code = subprocess.run(cmd, env=env, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT).returncode
     if code:
         raise SystemExit(f"layout {name} failed (exit {code}); see {log}")
-    with open(metrics) as handle:
-        rows = [json.loads(line) for line in handle if '"loss"' in line]
-    return {key: [r.get(key) for r in rows] for key in ("step", "loss", "aux_loss", "grad_norm")}
+    if not os.path.exists(metrics):
+        raise SystemExit(f"layout {name} wrote no metrics file {metrics}; see {log}")
+    return read_metrics(metrics)
+
+
+def load_saved(path: str, names: Optional[list]):
+    """(curves, reference, steps asked for or None) of a saved run: the reference recorded there
+    (older files without one: the first layout saved), or, with ``names``, those layouts with the
+    first as the reference."""
+    try:
+        with open(path) as handle:
+            saved = json.load(handle)
+    except FileNotFoundError:
+        raise InputError(f"--replot: no {path}. Fix: run without --replot first, or point --out at a "
+                         "saved run.") from None
+    except (OSError, ValueError) as err:
+        raise InputError(f"--replot: {path} cannot be read as JSON ({err}).") from None
+    curves = saved.get("curves") if isinstance(saved, dict) else None
+    if not isinstance(curves, dict) or not curves:
+        raise InputError(f"--replot: {path} holds no curves "
+                         '(expected {"curves": {LAYOUT: {"step": [...], "loss": [...]}, ...}}).')
+    expected = saved.get("steps")
+    expected = expected if isinstance(expected, int) and not isinstance(expected, bool) and expected > 0 else None
+    if names:
+        missing = [name for name in names if name not in curves]
+        if missing:
+            raise InputError(f"--replot --layouts: {', '.join(missing)} not in {path} (it has {', '.join(curves)}).")
+        return {name: curves[name] for name in names}, names[0], expected
+    reference = saved.get("reference") or next(iter(curves))
+    if not isinstance(reference, str) or reference not in curves:
+        raise InputError(f"--replot: the recorded reference {reference!r} has no curve in {path}. "
+                         "Fix: pick one with --layouts REFERENCE OTHER...")
+    return curves, reference, expected
+
+
+# ------------------------------------------------------------------ analysis
+@dataclass
+class Series:
+    """One curve by step number (sorted), with the steps its records gave more than once."""
+    steps: List[int]
+    loss: List[object]
+    repeated: List[int] = field(default_factory=list)
+
+    def as_dict(self) -> Dict[int, object]:
+        return dict(zip(self.steps, self.loss))
+
+
+def to_series(name: str, curve) -> Series:
+    """Key a curve's losses by step; a step recorded twice keeps its LAST record (a resumed run
+    appends the steps after its checkpoint again: the later record is the run that continued).
+    A curve whose steps are not whole numbers is bad input."""
+    if not (isinstance(curve, dict) and isinstance(curve.get("step"), list) and isinstance(curve.get("loss"), list)):
+        raise InputError(f"curve {name!r}: expected {{\"step\": [...], \"loss\": [...]}}.")
+    steps, losses = curve["step"], curve["loss"]
+    if len(steps) != len(losses):
+        raise InputError(f"curve {name!r}: {len(steps)} steps but {len(losses)} losses.")
+    by_step, repeated = {}, set()
+    for step, loss in zip(steps, losses):
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise InputError(f"curve {name!r}: step {step!r} is not a whole number.")
+        if step in by_step:
+            repeated.add(step)
+        by_step[step] = loss
+    order = sorted(by_step)
+    return Series(order, [by_step[s] for s in order], sorted(repeated))
+
+
+def is_finite(value) -> bool:
+    """A real, finite number (None, strings, NaN and inf are not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def format_steps(steps, limit: int = 6) -> str:
+    """[1, 2, 3, 7, 9, 10] -> "1-3, 7, 9-10" (the first ``limit`` runs, then "...")."""
+    runs = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    text = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:limit]]
+    return ", ".join(text) + (", ..." if len(runs) > limit else "")
+
+
+def non_finite_problem(series: Series) -> Optional[str]:
+    """The first step whose loss is not a finite number, and how many such steps there are."""
+    bad = [(s, v) for s, v in zip(series.steps, series.loss) if not is_finite(v)]
+    if not bad:
+        return None
+    step, value = bad[0]
+    where = format_steps([s for s, _ in bad])
+    return f"the loss is {value!r} at step {step} (non-finite at {len(bad)} step(s): {where})"
+
+
+def step_problems(series: Series, ref: Series) -> List[str]:
+    """Steps the reference has and the layout lacks, and the reverse: never a silently shorter comparison."""
+    mine, theirs = set(series.steps), set(ref.steps)
+    problems = []
+    if theirs - mine:
+        problems.append(f"missing step(s) {format_steps(sorted(theirs - mine))} that the reference has")
+    if mine - theirs:
+        problems.append(f"step(s) {format_steps(sorted(mine - theirs))} that the reference lacks")
+    return problems
+
+
+def relative_deviation(a: float, b: float) -> float:
+    """|a - b| / |b|; inf for anything not finite (so that max() and <= see it: NaN compares
+    False with everything and would pass any tolerance check)."""
+    if not (is_finite(a) and is_finite(b)):
+        return math.inf
+    if a == b:
+        return 0.0
+    return abs(a - b) / abs(b) if b else math.inf
 
 
 def deviation(curve: list, reference: list) -> list:
-    return [abs(a - b) / abs(b) for a, b in zip(curve, reference)]
+    return [relative_deviation(a, b) for a, b in zip(curve, reference)]
 
 
 def moving_average(values: list, window: int) -> list:
-    """The mean of the last ``window`` values at each step (fewer at the start)."""
+    """The mean of the last ``window`` values at each step (fewer at the start). Finite values only:
+    one NaN would stay in the running total for good."""
+    if window < 1:
+        raise ValueError(f"window={window} must be >= 1")
     out, total = [], 0.0
     for i, value in enumerate(values):
         total += value - (values[i - window] if i >= window else 0.0)
@@ -111,6 +320,73 @@ def moving_average(values: list, window: int) -> list:
     return out
 
 
+@dataclass
+class Row:
+    """One layout's result: either problems (cannot be compared) or its deviations."""
+    name: str
+    problems: List[str] = field(default_factory=list)
+    repeated: List[int] = field(default_factory=list)
+    exact: int = 0                  # leading steps within EXACT
+    max_dev: float = 0.0
+    max_dev_step: Optional[int] = None
+    smooth: float = math.nan        # largest deviation of the moving average (NaN until computed: fails)
+    tail_mean: float = math.nan
+
+
+def compare(name: str, series: Series, ref: Series, window: int, ref_ok: bool) -> Row:
+    """Compare one layout with the reference step by step (the curves are aligned by step)."""
+    row = Row(name, repeated=series.repeated)
+    row.problems = [p for p in [non_finite_problem(series)] if p] + step_problems(series, ref)
+    if not series.steps and not row.problems:
+        row.problems.append("no steps recorded")
+    if row.problems or not ref_ok:
+        return row
+    dev = deviation(series.loss, ref.loss)      # same steps in the same order: step_problems() found none
+    smooth = deviation(moving_average(series.loss, window), moving_average(ref.loss, window))
+    row.exact = next((i for i, d in enumerate(dev) if not d <= EXACT), len(dev))
+    at = max(range(len(dev)), key=dev.__getitem__)
+    row.max_dev, row.max_dev_step, row.smooth = dev[at], series.steps[at], max(smooth)
+    tail = series.loss[-window:]
+    row.tail_mean = sum(tail) / len(tail)
+    return row
+
+
+def reference_row(name: str, ref: Series, window: int, expected: Optional[int]) -> Row:
+    """The reference's own problems: non-finite losses, no steps, or missing some of the steps
+    1..expected that the run was asked for (the layouts are only checked against the reference)."""
+    row = Row(name, repeated=ref.repeated)
+    problem = non_finite_problem(ref)
+    if problem:
+        row.problems.append(problem)
+    if not ref.steps:
+        row.problems.append("no steps recorded")
+    if expected:
+        missing = sorted(set(range(1, expected + 1)) - set(ref.steps))
+        if missing:
+            row.problems.append(f"missing step(s) {format_steps(missing)} of the {expected} the run was asked for")
+    if not row.problems:
+        tail = ref.loss[-window:]
+        row.smooth, row.tail_mean = 0.0, sum(tail) / len(tail)
+    return row
+
+
+def analyse(curves: dict, reference: str, window: int, expected: Optional[int] = None) -> List[Row]:
+    """Rows for the reference (first) and every other layout; pure (no I/O) so that tests can call it."""
+    series = {name: to_series(name, curve) for name, curve in curves.items()}
+    ref = series[reference]
+    rows = [reference_row(reference, ref, window, expected)]
+    ref_ok = not rows[0].problems
+    rows += [compare(name, s, ref, window, ref_ok) for name, s in series.items() if name != reference]
+    return rows
+
+
+def passed(rows: List[Row], tolerance: float) -> bool:
+    """True only when no curve has a problem and every moving-average deviation is a finite number
+    within the tolerance (written so that a NaN fails)."""
+    return all(not row.problems and math.isfinite(row.smooth) and row.smooth <= tolerance for row in rows)
+
+
+# ------------------------------------------------------------------ reporting
 def plot(curves: dict, reference: str, path: str) -> bool:
     try:
         import matplotlib
@@ -119,12 +395,15 @@ def plot(curves: dict, reference: str, path: str) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install hyperacc[plot])")
         return False
+    series = {name: to_series(name, curve) for name, curve in curves.items()}
+    ref = series[reference].as_dict()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    for name, curve in curves.items():
-        top.plot(curve["step"], curve["loss"], label=name, linewidth=1)
+    for name, s in series.items():
+        top.plot(s.steps, [v if is_finite(v) else math.nan for v in s.loss], label=name, linewidth=1)
         if name != reference:
-            dev = [max(d, 1e-12) for d in deviation(curve["loss"], curves[reference]["loss"])]
-            bottom.semilogy(curve["step"], dev, label=name, linewidth=1)
+            points = [(step, relative_deviation(v, ref.get(step))) for step, v in zip(s.steps, s.loss)]
+            points = [(step, max(d, 1e-12)) for step, d in points if math.isfinite(d)]
+            bottom.semilogy([p[0] for p in points], [p[1] for p in points], label=name, linewidth=1)
     top.set_ylabel("loss")
     top.set_title(f"loss per step, every layout (reference: {reference})")
     top.legend(fontsize=8)
@@ -136,62 +415,99 @@ def plot(curves: dict, reference: str, path: str) -> bool:
     return True
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+def report(rows: List[Row], window: int, tolerance: float) -> bool:
+    """Print the table, every problem, and the verdict; returns whether it passed."""
+    print(f"\n| layout | exact (within 1e-5) for | max rel. loss deviation (at step) | max rel. deviation of "
+          f"the {window}-step moving average | last {window} steps' mean loss |")
+    print("|---|---|---|---|---|")
+    for i, row in enumerate(rows):
+        label = f"{row.name} (reference)" if i == 0 else row.name
+        if row.problems:
+            print(f"| {label} | FAILED: {'; '.join(row.problems)} | | | |")
+        elif i == 0:
+            print(f"| {label} | — | — | — | {row.tail_mean:.4f} |")
+        elif row.max_dev_step is None:
+            print(f"| {label} | not compared: the reference cannot be | | | |")
+        else:
+            print(f"| {label} | {row.exact} steps | {row.max_dev:.1e} ({row.max_dev_step}) | {row.smooth:.1e} | "
+                  f"{row.tail_mean:.4f} |")
+    print()
+    for row in rows:
+        if row.repeated:
+            print(f"note: {row.name}: step(s) {format_steps(row.repeated)} recorded more than once; "
+                  "the last record of each is compared")
+    failed = [row for row in rows if row.problems]
+    for row in failed:
+        print(f"FAILED {row.name}{' (the reference)' if row is rows[0] else ''}: {'; '.join(row.problems)}")
+    if failed:
+        print(f"FAILED: {len(failed)} curve(s) cannot be compared (above)")
+        return False
+    worst = max((row.smooth for row in rows[1:]), default=0.0)
+    ok = passed(rows, tolerance)
+    print(f"largest moving-average deviation {worst:.2e}: {'within' if ok else 'BEYOND'} the tolerance {tolerance:g}")
+    return ok
+
+
+# ------------------------------------------------------------------ main
+def parse_args(argv):
+    """(args, extra): everything after -- goes to every run."""
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, help="the first one is the reference")
+    parser.add_argument("--layouts", nargs="+", default=None,
+                        help=f"the first one is the reference (default: {' '.join(DEFAULT_LAYOUTS)}; with "
+                             "--replot: the saved ones and the saved reference)")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--tolerance", type=float, default=5e-3,
                         help="largest relative deviation of the moving-average loss allowed")
     parser.add_argument("--window", type=int, default=25, help="steps in the moving average")
     parser.add_argument("--replot", action="store_true", help="analyse OUT/curves.json again, no training")
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "loss_curves"))
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv), extra
+
+
+def progress_line(name: str, curve: dict) -> str:
+    """One line per finished run; never raises on what it shows (a NaN loss, no steps at all)."""
+    loss = curve["loss"]
+    if not loss:
+        return f"{name}: no steps recorded"
+    shown = [f"{v:.4f}" if isinstance(v, (int, float)) else repr(v) for v in (loss[0], loss[-1])]
+    return f"{name}: {len(loss)} steps, loss {shown[0]} -> {shown[1]}"
+
+
+def train_all(args, extra: list, saved: str) -> dict:
+    """Validate every layout, then run them one by one and save the curves."""
+    names = args.layouts or DEFAULT_LAYOUTS
+    layouts = {name: parse_layout(name) for name in names}
+    check_layouts(layouts, os.cpu_count() or 1)
+    check_runnable(layouts, args.steps, args.out, extra)
+    os.makedirs(args.out, exist_ok=True)
+    curves = {}
+    for name, layout in layouts.items():
+        curves[name] = run(name, layout, args.steps, args.out, extra)
+        print(progress_line(name, curves[name]), flush=True)
+    with open(saved, "w") as handle:
+        json.dump({"reference": names[0], "steps": args.steps, "extra": extra, "curves": curves}, handle)
+    return curves
+
+
+def main(argv=None):
+    args, extra = parse_args(sys.argv[1:] if argv is None else argv)
+    saved = os.path.join(args.out, "curves.json")
     try:
-        layouts = {name: parse_layout(name) for name in args.layouts}
-        check_layouts(layouts, os.cpu_count() or 1)
-    except LayoutError as err:
+        check_args(args)
+        if args.replot:
+            curves, reference, expected = load_saved(saved, args.layouts)
+        else:
+            reference, expected = (args.layouts or DEFAULT_LAYOUTS)[0], args.steps
+            curves = train_all(args, extra, saved)
+        rows = analyse(curves, reference, args.window, expected)
+    except InputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
-    saved = os.path.join(args.out, "curves.json")
-    if args.replot:
-        with open(saved) as handle:
-            curves = json.load(handle)["curves"]
-    else:
-        curves = {}
-        for name, layout in layouts.items():
-            curves[name] = run(name, layout, args.steps, args.out, extra)
-            print(f"{name}: {len(curves[name]['loss'])} steps, loss {curves[name]['loss'][0]:.4f} -> "
-                  f"{curves[name]['loss'][-1]:.4f}", flush=True)
-        with open(saved, "w") as handle:
-            json.dump({"reference": args.layouts[0], "steps": args.steps, "extra": extra, "curves": curves}, handle)
-    reference = args.layouts[0]
     plotted = plot(curves, reference, os.path.join(args.out, "curves.png"))
-    print(f"\n| layout | exact (within 1e-5) for | max rel. loss deviation (at step) | max rel. deviation of "
-          f"the {args.window}-step moving average | last {args.window} steps' mean loss |")
-    print("|---|---|---|---|---|")
-    worst = 0.0
-    ref = curves[reference]["loss"]
-    for name, curve in curves.items():
-        if len(curve["loss"]) != len(ref):
-            print(f"| {name} | ran {len(curve['loss'])} steps, the reference {len(ref)} | | | |")
-            worst = float("inf")
-            continue
-        dev = deviation(curve["loss"], ref)
-        smooth = deviation(moving_average(curve["loss"], args.window), moving_average(ref, args.window))
-        exact = next((i for i, d in enumerate(dev) if d > 1e-5), len(dev))
-        at = max(range(len(dev)), key=dev.__getitem__)
-        worst = max(worst, max(smooth))
-        tail = curve["loss"][-args.window:]
-        print(f"| {name} | {exact} steps | {dev[at]:.1e} ({curve['step'][at]}) | {max(smooth):.1e} | "
-              f"{sum(tail) / len(tail):.4f} |")
-    print(f"\ncurves: {saved}" + (f", plot: {os.path.join(args.out, 'curves.png')}" if plotted else ""))
-    verdict = "within" if worst <= args.tolerance else "BEYOND"
-    print(f"largest moving-average deviation {worst:.2e}: {verdict} the tolerance {args.tolerance:g}")
-    return 0 if worst <= args.tolerance else 1
+    print(f"curves: {saved}" + (f", plot: {os.path.join(args.out, 'curves.png')}" if plotted else ""))
+    return 0 if report(rows, args.window, args.tolerance) else 1
 
 
 if __name__ == "__main__":

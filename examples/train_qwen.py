@@ -21,7 +21,7 @@ import yaml
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 from config_schema import TrainConfig, check_batch  # noqa: E402
-from hyperacc.cli_config import ConfigError, dump_config, format_config, parse_config  # noqa: E402
+from hyperacc.cli_config import ConfigError, config_file, dump_config, format_config, parse_config  # noqa: E402
 
 LINGER_S = 3.0   # see _exit_with
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3_moe_tiny.yaml")
@@ -30,16 +30,46 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confi
 def load_config(argv):
     """Parse and check the config; every problem is one ConfigError, before anything heavy.
 
-    Without a YAML argument the embedded default (configs/qwen3_moe_tiny.yaml) is used.
+    Without a config file argument the embedded default (configs/qwen3_moe_tiny.yaml) is used. The
+    positional argument is the config file whatever its suffix (``my_config``, ``cfg.txt``): it is read
+    as YAML, and one that is missing or does not parse is named in the error.
     """
-    has_yaml = any(not a.startswith("-") and a.endswith((".yaml", ".yml")) for a in argv)
-    cfg = parse_config(TrainConfig, None if has_yaml else DEFAULT_CONFIG, argv=argv)
+    config_path = config_file(TrainConfig, argv)
+    cfg = parse_config(TrainConfig, None if config_path else DEFAULT_CONFIG, argv=argv)
     check_model_dtype(cfg)
+    check_paths(cfg, config_path or DEFAULT_CONFIG)
     t, p = cfg.training, cfg.parallel
     world = t.dry_run_world_size if t.dry_run else None
     world = world or int(os.environ.get("WORLD_SIZE", "0")) or (8 if t.dry_run else 1)
     check_batch(t, world // (max(1, p.tp_size) * max(1, p.cp_size)))
     return cfg, world
+
+
+# What a checkpoint directory holds at its top level (README "On disk"): no output of the run goes there.
+CHECKPOINT_DIR_FILES = ("global_step_*", "latest_checkpoint_iteration.txt", "config.yaml", ".hyperacc.lock")
+
+
+def check_paths(cfg, config_path):
+    """What the run writes never overwrites what it reads: the config file, the dataset, the tokenizer,
+    the model, the checkpoint it restores (and, in a dry run, which writes only its report, an earlier
+    run's metrics file and TensorBoard directory), nor a file in the checkpoint directory. Paths only:
+    nothing is opened or created."""
+    from hyperacc.training import check_output_path, check_paths_apart, dataset_files
+
+    t, log, ck = cfg.training, cfg.logging, cfg.checkpoint
+    inputs = [("the config file", config_path), ("model.name_or_path", cfg.model.name_or_path),
+              ("data.tokenizer", cfg.data.tokenizer)]
+    inputs += [("data.dataset", path) for path in dataset_files(cfg.data.dataset)]
+    if ck.restore_from and str(ck.restore_from).upper() != "LATEST":
+        inputs.append(("checkpoint.restore_from", ck.restore_from))
+    if t.dry_run:
+        check_output_path(t.dry_run_report, "--training.dry_run_report", directory=False, example_name="plan.json")
+        outputs = [("--training.dry_run_report", t.dry_run_report)]
+        inputs += [("logging.metrics_file", log.metrics_file), ("logging.tensorboard_dir", log.tensorboard_dir)]
+    else:
+        outputs = [("--logging.metrics_file", log.metrics_file), ("--logging.tensorboard_dir", log.tensorboard_dir)]
+    check_paths_apart(outputs, inputs, output_dirs=[("--checkpoint.checkpoint_dir", ck.checkpoint_dir)],
+                      reserved=CHECKPOINT_DIR_FILES)
 
 
 def check_model_dtype(cfg):
@@ -54,17 +84,50 @@ def check_model_dtype(cfg):
                           f"--fsdp.precision={'bf16' if cfg.model.dtype == 'bfloat16' else 'fp32_master'}.")
 
 
+# torch.optim.AdamW options hyperacc.optim.AdamW lacks: kernel choices it has no use for (dropped), and
+# variants of the update it does not implement (dropped at their default, refused otherwise).
+_TORCH_KERNEL_CHOICES = ("foreach", "fused", "capturable")
+_TORCH_ADAMW_VARIANTS = {"amsgrad": "AMSGrad (amsgrad=true)", "maximize": "maximize=true",
+                         "differentiable": "differentiable=true"}
+
+
 def optimizer_config(cfg):
     """The optimizer to build: torch.optim.AdamW becomes hyperacc.optim.AdamW (same arguments but its
     kernel choices foreach/fused/capturable) under a bf16 recipe, whose fp32 arithmetic and moment
-    dtype follow the recipe."""
+    dtype follow the recipe. A torch.optim.AdamW option hyperacc's lacks (amsgrad=true ...), and
+    torch's Adam (which ``prepare`` refuses under a bf16 recipe), are a ConfigError naming the fix."""
+    import torch
+
     from hyperacc.cli_config import Component
     from hyperacc.precision import get_recipe
 
-    opt = cfg.optimizer
-    if get_recipe(cfg.fsdp.precision).low_precision and opt.target == "torch.optim.AdamW":
-        kwargs = {k: v for k, v in opt.kwargs.items() if k not in ("foreach", "fused", "capturable")}
+    opt, recipe = cfg.optimizer, get_recipe(cfg.fsdp.precision)
+    if not recipe.low_precision:
+        return opt
+    try:
+        cls = opt.resolve()
+    except (ImportError, AttributeError):
+        return opt                                  # named by the parser's own check
+    precision = f"fsdp.precision={recipe.name}"
+    if cls is torch.optim.AdamW:
+        kwargs = {k: v for k, v in opt.kwargs.items() if k not in _TORCH_KERNEL_CHOICES}
+        for name, what in _TORCH_ADAMW_VARIANTS.items():
+            if kwargs.pop(name, False):             # false (the default) is the same update: dropped
+                raise ConfigError(
+                    f"optimizer.{name}={opt.kwargs[name]!r}: under {precision} torch.optim.AdamW runs as "
+                    "hyperacc.optim.AdamW (torch's would keep bf16 moments and round every update of the bf16 "
+                    f"parameters to nearest), which has no {what}. Fix: drop optimizer.{name} (or set it to "
+                    "false), or --fsdp.precision=fp32_master to train with torch.optim.AdamW itself.")
         return Component("hyperacc.optim.AdamW", kwargs)
+    if isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
+        from hyperacc.optim import AdamW
+        if not issubclass(cls, AdamW):
+            raise ConfigError(
+                f"optimizer._target_={opt.target} under {precision}: {cls.__name__} (torch's Adam) would keep bf16 "
+                "moments and round every update of the bf16 parameters to nearest (small updates vanish), so "
+                "prepare refuses it. Fix: _target_: torch.optim.AdamW in the YAML (run here as hyperacc.optim.AdamW) "
+                f"or hyperacc.optim.AdamW (decoupled weight decay; {cls.__name__}'s weight_decay is an L2 term), or "
+                f"--fsdp.precision=fp32_master to keep {opt.target}.")
     return opt
 
 
@@ -142,8 +205,11 @@ def dry_run(cfg, world_size):
     """Plan the sharding for `world_size` ranks and estimate memory per rank; no process group."""
     from hyperacc.dry_run import format_plan, write_report
     from hyperacc.runtime import DEVICE_ENV
+    from hyperacc.training import check_model_config
 
     vocab = None if "vocab_size" in cfg.model.overrides else _tokenizer(cfg)
+    # The model config checks of preflight: a bad override is one line here too, not a traceback.
+    check_model_config(_model_config_or_error(cfg, vocab), tokenizer_size=vocab)
     device_type = os.environ.get(DEVICE_ENV) or "cuda"     # an accelerator unless told otherwise
     plan = memory_plan(cfg, world_size, vocab, device_type)
     print(format_config(cfg))
@@ -163,6 +229,7 @@ def preflight(cfg, world_size):
     Returns the tokenizer (train() sizes the model with it).
     """
     from hyperacc.data.text import load_tokenizer
+    from hyperacc.precision import get_recipe
     from hyperacc.training import check_dataset_path, check_model_config, check_optimizer, check_output_path
 
     log, ck = cfg.logging, cfg.checkpoint
@@ -185,8 +252,9 @@ def preflight(cfg, world_size):
     if ck.save_ckpt:
         collect(check_output_path, ck.checkpoint_dir, "--checkpoint.checkpoint_dir", directory=True)
     collect(check_dataset_path, cfg.data.dataset)
-    collect(check_optimizer, optimizer_config(cfg))
+    collect(lambda: check_optimizer(optimizer_config(cfg), recipe=get_recipe(cfg.fsdp.precision)))
     collect(_check_parallel, cfg, world_size)
+    collect(_check_transformers_for_tp_ep, cfg)
     tokenizer = collect(tokenizer_or_error)
     if tokenizer is not None:
         config = collect(_model_config_or_error, cfg, len(tokenizer))
@@ -204,9 +272,14 @@ def preflight(cfg, world_size):
 
 def _model_config_or_error(cfg, vocab_size):
     try:
+        from huggingface_hub.errors import StrictDataclassError   # a config field of the wrong type
+    except ImportError:
+        StrictDataclassError = TypeError   # noqa: N806 - older huggingface_hub: no strict config fields
+    try:
         return model_config(cfg, vocab_size=vocab_size)
-    except (OSError, ValueError, TypeError) as err:
-        raise ConfigError(f"model: {' '.join(str(err).split())}") from None
+    except (OSError, ValueError, TypeError, StrictDataclassError) as err:
+        raise ConfigError(f"model: {' '.join(str(err).split()).rstrip('.')}. Fix: correct model.overrides / "
+                          "model.name_or_path as named.") from None
 
 
 def _check_router_aux(cfg, config):
@@ -214,6 +287,29 @@ def _check_router_aux(cfg, config):
     if mode in ("sequence", "micro_batch") and not hasattr(config, "router_aux_loss_coef"):
         raise ConfigError(f"model.router_aux_loss={mode} but {type(config).__name__} is a dense model (no MoE "
                           "router). Fix: drop --model.router_aux_loss (or set it to off).")
+
+
+MIN_TRANSFORMERS_TP_EP = (5, 23)   # transformers.distributed.expert_parallel with ep_implementation=
+
+
+def _check_transformers_for_tp_ep(cfg):
+    """TP and EP run on transformers' own styles (transformers.distributed.tensor_parallel /
+    expert_parallel, as of 5.23): an older transformers is one ConfigError naming the version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    p = cfg.parallel
+    if max(p.tp_size or 1, p.ep_size or 1) <= 1:
+        return
+    try:
+        installed = version("transformers")
+    except PackageNotFoundError:
+        return                                   # reported where the model is built
+    numbers = tuple(int(part) for part in installed.split(".")[:2] if part.isdigit())
+    if numbers < MIN_TRANSFORMERS_TP_EP:
+        need = ".".join(map(str, MIN_TRANSFORMERS_TP_EP))
+        raise ConfigError(f"parallel.tp_size={p.tp_size} / ep_size={p.ep_size} need transformers>={need} "
+                          f"(transformers.distributed.tensor_parallel and expert_parallel), but {installed} is "
+                          f"installed. Fix: pip install 'transformers>={need}', or tp_size=1 and ep_size=1.")
 
 
 def _check_parallel(cfg, world_size):
@@ -227,7 +323,10 @@ def _check_parallel(cfg, world_size):
 
 def _tokenizer(cfg):
     from hyperacc.data.text import load_tokenizer
-    return len(load_tokenizer(cfg.data.tokenizer or cfg.model.name_or_path))
+    try:
+        return len(load_tokenizer(cfg.data.tokenizer or cfg.model.name_or_path))
+    except ValueError as err:
+        raise ConfigError(f"data.tokenizer: {err}") from None
 
 
 def build_data(cfg, acc, tokenizer):

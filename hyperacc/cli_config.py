@@ -13,6 +13,8 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import math
+import os
 import sys
 import typing
 from typing import Literal, Optional, Sequence
@@ -24,7 +26,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from hyperacc.config import default_of
 
 __all__ = ["ConfigError", "Component", "parse_config", "build_config", "load_config", "dump_config",
-           "save_config", "format_config", "config_help"]
+           "save_config", "format_config", "config_help", "config_file"]
 TARGET = "_target_"
 
 
@@ -50,7 +52,60 @@ class Component:
         return getattr(importlib.import_module(module), name)
 
     def build(self, *args, **runtime_kwargs):
+        """Call the target with ``args`` and the configured keywords (``runtime_kwargs`` win). A call
+        its signature cannot take is one ConfigError (``check_call``), not a TypeError from inside it."""
+        self.check_call(args, runtime_kwargs)
         return self.resolve()(*args, **{**self.kwargs, **runtime_kwargs})
+
+    def check_call(self, args=(), runtime_kwargs=None, *, section: str = "") -> None:
+        """ConfigError naming the target, the argument and the fix unless the target's signature accepts
+        the runtime arguments the program passes (``args``, ``runtime_kwargs``) together with the
+        configured keywords. No call is made; a target without an inspectable signature passes.
+        ``section``: the config key of this component, for the message."""
+        runtime_kwargs = dict(runtime_kwargs or {})
+        try:
+            signature = inspect.signature(self.resolve())
+        except (ValueError, TypeError):
+            return
+        where, shape = f"{section}: " if section else "", f"{self.target}{_shape(signature)}"
+        params = signature.parameters
+        named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        takes_varargs = any(p.kind is p.VAR_POSITIONAL for p in params.values())
+        takes_varkw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        fix = (f"Fix: a _target_ that takes the program's runtime arguments ({len(args)} positional first"
+               f"{', then ' + ', '.join(map(repr, runtime_kwargs)) if runtime_kwargs else ''}) besides the "
+               f"configured ones (e.g. a function def make(*args, **kwargs) that calls {self.target}).")
+        if len(args) > len(positional) and not takes_varargs:
+            raise ConfigError(f"{where}{shape} takes {len(positional)} positional argument(s) but the program "
+                              f"passes {len(args)} at runtime ({_described(args)}). {fix}")
+        for name in runtime_kwargs:
+            if name not in named and not takes_varkw:
+                raise ConfigError(f"{where}{shape} takes no argument {name!r}, which the program passes at "
+                                  f"runtime. {fix}")
+        for name in self.kwargs:
+            if name not in named and not takes_varkw and name not in runtime_kwargs:
+                key = f"{section}.{name}" if section else name
+                raise ConfigError(f"{where}{shape} takes no argument {name!r} (configured as {key})."
+                                  f"{_hint(named, name)} Fix: remove {key}, or use one of: {', '.join(named)}.")
+        by_position = positional[:len(args)]
+        for name in self.kwargs:
+            if name in by_position and name not in runtime_kwargs:
+                index = by_position.index(name)
+                raise ConfigError(f"{where}{shape}: the program passes {len(args)} positional argument(s) at runtime "
+                                  f"({_described(args)}), and #{index + 1} lands on {name!r}, which is configured "
+                                  f"too ({section + '.' if section else ''}{name}). {fix}")
+        try:
+            signature.bind(*args, **{**self.kwargs, **runtime_kwargs})
+        except TypeError as err:
+            missing = [n for n, p in params.items() if p.default is p.empty
+                       and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                       and n not in positional[:len(args)] and n not in self.kwargs and n not in runtime_kwargs]
+            hint = (f"Fix: set {', '.join(f'{section}.{n}' if section else n for n in missing)} in the config."
+                    if missing else fix)
+            raise ConfigError(f"{where}{shape} cannot be called with the runtime argument(s) "
+                              f"{_described(args) or 'none'} and the configured {sorted(self.kwargs)}: {err}. "
+                              f"{hint}") from None
 
     def __getattr__(self, name):  # only called for names that are not attributes (none yet in a copy)
         if name not in self.__dict__.get("kwargs", {}):
@@ -62,6 +117,22 @@ class Component:
 
     def get(self, key, default=None):
         return self.kwargs.get(key, default)
+
+
+def _shape(signature) -> str:
+    """A signature by its parameter names only (annotations and defaults can run to lines)."""
+    parts, star = [], False
+    for name, p in signature.parameters.items():
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+        star = star or p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL)
+        parts.append({p.VAR_POSITIONAL: f"*{name}", p.VAR_KEYWORD: f"**{name}"}.get(p.kind, name))
+    return f"({', '.join(parts)})"
+
+
+def _described(args) -> str:
+    """Runtime positional arguments in words (their types, not their possibly huge values)."""
+    return ", ".join(f"#{i + 1} a {type(a).__name__}" for i, a in enumerate(args))
 
 
 def _component(data: dict, section: str) -> Component:
@@ -99,16 +170,39 @@ def _component(data: dict, section: str) -> Component:
 
 # ---------------------------------------------------------------------------------------------- input
 def load_yaml(path) -> dict:
-    """A YAML file's mapping of sections (empty file -> {})."""
+    """A YAML file's mapping of sections (empty file -> {}). Any suffix: the file is read as YAML."""
+    name = str(path)
+    # A config file without a YAML suffix is still read as one; say so when it does not parse.
+    note = "" if name.endswith((".yaml", ".yml")) else " (the positional argument is read as the YAML config file)"
+    if os.path.isdir(name):
+        raise ConfigError(f"Config file {name!r} is a directory{note}. Fix: pass the path of a YAML file.")
     try:
         data = OmegaConf.to_container(OmegaConf.load(path))
     except FileNotFoundError:
-        raise ConfigError(f"Config file {str(path)!r} does not exist. Fix: pass an existing YAML path.") from None
-    except (yaml.YAMLError, OmegaConfBaseException) as err:
-        raise ConfigError(f"Config file {str(path)!r} is not valid: {' '.join(str(err).split())}") from None
+        raise ConfigError(f"Config file {name!r} does not exist{note}. Fix: pass an existing YAML path.") from None
+    except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError) as err:
+        raise ConfigError(f"Config file {name!r} is not valid YAML{note}: {' '.join(str(err).split())}. Fix: "
+                          "correct the file where shown, or pass the intended config file.") from None
+    except OSError as err:
+        raise ConfigError(f"Config file {name!r} cannot be read: {err.strerror or err}. Fix: pass a readable "
+                          "YAML file.") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"Config file {str(path)!r} must hold a mapping of sections, got {data!r}.")
+        raise ConfigError(f"Config file {name!r} must hold a mapping of sections{note}, got {_short(data)}. Fix: "
+                          "pass a YAML file of sections, e.g. 'training: {max_steps: 10}'.")
     return data
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def config_file(schema_cls, argv: Sequence[str]) -> Optional[str]:
+    """The config file ``argv`` names (its positional argument, whatever its suffix), or None. With
+    ``-h``/``--help``: None. A malformed ``argv`` is the ConfigError ``parse_config`` would raise."""
+    if "-h" in argv or "--help" in argv:
+        return None
+    return _parse_argv(schema_cls(), list(argv))[0]
 
 
 def _type_at(defaults, path: Sequence[str]):
@@ -197,6 +291,49 @@ def _explain(err: OmegaConfBaseException, defaults) -> str:
     return f"{key} must be {_type_name(tp)}, got {err.value!r}.{_hint(choices, err.value)} Fix: {fix}"
 
 
+def _refuse_nan(value, path, defaults) -> None:
+    """One ConfigError at the first NaN anywhere in a section (a field, a component keyword, a value in
+    a dict or list): NaN is never a setting. It compares false with everything, so range checks such
+    as ``value > 0`` let it through, and a NaN timeout, lr or memory size fails only much later."""
+    if isinstance(value, float) and math.isnan(value):
+        key, default = ".".join(path), _default_at(defaults, path)
+        example = (f"e.g. --{key}={default!r}" if isinstance(default, (int, float)) and not isinstance(default, bool)
+                   and math.isfinite(default) else f"--{key}=<a number>" + (" (or null)" if default is None else ""))
+        raise ConfigError(f"{key}=nan is not a number. Fix: {example}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _refuse_nan(v, [*path, str(k)], defaults)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            if isinstance(v, float) and math.isnan(v):
+                key = ".".join(path)
+                raise ConfigError(f"{key} holds nan, which is not a number. Fix: e.g. "
+                                  f"--{key}={dump_config(_default_at(defaults, path))!r}")
+            _refuse_nan(v, path, defaults)
+
+
+def _default_at(defaults, path: Sequence[str]):
+    """The default value at a dotted path (a component keyword: configured, else its signature's), or None."""
+    value = defaults
+    for part in path:
+        if isinstance(value, Component):
+            if part in value.kwargs:
+                value = value.kwargs[part]
+                continue
+            try:
+                value = inspect.signature(value.resolve()).parameters[part].default
+            except (ImportError, AttributeError, ValueError, TypeError, KeyError):
+                return None
+            value = None if value is inspect.Parameter.empty else value
+        elif dataclasses.is_dataclass(value):
+            value = getattr(value, part, None)
+        elif isinstance(value, dict):
+            value = value.get(part)
+        else:
+            return None
+    return value
+
+
 def build_config(schema_cls, data: Optional[dict] = None, *, source: str = "dict", overrides=()):
     """Build ``schema_cls`` from nested data (as read from YAML) and ``(flag, nested data)`` command-line
     overrides, with all checks."""
@@ -226,6 +363,8 @@ def build_config(schema_cls, data: Optional[dict] = None, *, source: str = "dict
             built.setdefault(name, OmegaConf.to_object(cfg[name]))
         except (ValueError, TypeError) as err:
             raise ConfigError(f"{name}: {' '.join(str(err).split())}") from None
+    for name, section in built.items():
+        _refuse_nan(dump_config(section), [name], defaults)
     config = schema_cls(**built)
     for section in [*built.values(), config]:
         if callable(getattr(section, "validate", None)):

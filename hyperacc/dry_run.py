@@ -110,42 +110,102 @@ def _parallel_shares(model: nn.Module, tp: int, ep: int) -> Dict[str, tuple]:
     return shares
 
 
-def activation_bytes(config, *, tokens: int, seq_len: int, micro_batch_size: int, compute: int, layers: int,
-                     recompute: bool, eager_attention: bool, tp: int = 1, cp: int = 1, ep: int = 1) -> float:
-    """Peak bytes of saved activations (and the logits' gradient) of one micro-batch of ``tokens``
-    tokens on one rank (this rank's 1/cp of each sequence).
+@dataclasses.dataclass
+class BlockActivations:
+    """Bytes one block holds for one micro-batch on one rank (see `block_activations`)."""
+    saved: float            # what autograd saves in its forward (the input too where a norm saves it)
+    mlp_saved: float        # the part of ``saved`` the MLP half holds (freed before attention's backward)
+    backward_extra: float   # the most its backward holds above ``saved``: gradients of activations
+    block_input: float      # the input, which a checkpoint keeps instead of ``saved``
+    input_in_saved: float   # the part of ``saved`` that is the input itself (fp32: RMSNorm saves it)
 
-    Per token and block, fitted to autograd's saved tensors of transformers' Qwen3-MoE block on CPU
-    (fp32 and bf16, hidden/heads/kv/head_dim/experts/top-k/expert size varied one at a time; every
-    coefficient is a whole number of tensors): RMSNorms 8 + 4b bytes per hidden unit, q/k/v width
-    4 + 3b per unit (q/k norms, RoPE, attention inputs/output), 4 per expert (fp32 router softmax),
-    top_k x (2 hidden + 4 expert-width) x b (expert rows in, gate_up, activation, down, out).
-    Outside the blocks: the final norm and head input, RoPE tables, and the logits at the start of
-    backward: the model's 16-bit logits, the fp32 log-softmax, its gradient and the logits' gradient.
-    """
+
+def _dims(config, tp: int) -> dict:
     get = lambda name, default=0: int(getattr(config, name, None) or default)  # noqa: E731
     hidden, heads = get("hidden_size"), get("num_attention_heads", 1)
-    head_dim = get("head_dim") or hidden // heads
-    q_heads, kv_heads = heads // tp, max(1, get("num_key_value_heads", heads) // tp)
-    experts, top_k = get("num_experts"), get("num_experts_per_tok")
-    b = compute
-    per_token = hidden * (8 + 4 * b) + head_dim * (q_heads + kv_heads) * (4 + 3 * b) + 300
-    if experts:
-        per_token += 4 * experts + top_k * (2 * hidden + 4 * get("moe_intermediate_size")) * b
+    return dict(hidden=hidden, heads=heads, head_dim=get("head_dim") or hidden // heads, q_heads=heads // tp,
+                kv_heads=max(1, get("num_key_value_heads", heads) // tp), experts=get("num_experts"),
+                top_k=get("num_experts_per_tok"), expert_size=get("moe_intermediate_size"),
+                intermediate=get("intermediate_size"), vocab=get("vocab_size"))
+
+
+def block_activations(config, *, tokens: int, seq_len: int, micro_batch_size: int, compute: int,
+                      eager_attention: bool, tp: int = 1, cp: int = 1, ep: int = 1) -> BlockActivations:
+    """One Qwen3-style block's activations for ``tokens`` tokens on one rank (its 1/cp of each sequence).
+
+    Fitted to transformers' Qwen3-MoE block on CPU (fp32 and bf16; hidden, heads, kv heads, head_dim,
+    experts, top-k, expert size, sequence and attention varied one at a time; each coefficient is a
+    whole number of tensors). Saved, per token: RMSNorms 8 + 4b bytes per hidden unit, q/k/v width
+    4 + 3b per unit (q/k norms, RoPE, attention inputs/output), 4 per expert (fp32 router softmax),
+    top_k x (2 hidden + 4 expert-width) x b (expert rows in, gate_up, activation, down, out); eager
+    attention adds its (seq x seq) fp32 softmax (+ its 16-bit cast) and the repeated k/v.
+
+    Backward holds more than the saved tensors (measured with torch's MemTracker, peak live bytes of
+    the block's forward + backward): first the MLP's backward, with everything still saved, holds
+    (1 + 3 top_k) hidden rows per token for an MoE (the routed rows' gradients through down, the gate
+    and the routing weights; h + max(2h, 2 x intermediate) for a dense MLP); then attention's, with
+    the MLP half freed, holds the gradients of q, k, v and the output (2 q-width + 3 kv-width), two
+    hidden rows (the residual's and the output's gradients) and, in eager attention, two (seq x seq)
+    score gradients (the fp32 softmax's backward and its 16-bit or fp32 input's).
+    Under recompute this is what one block adds during its backward on top of every block's input.
+    """
+    d, b = _dims(config, tp), compute
+    hidden, head_dim = d["hidden"], d["head_dim"]
+    q_width, kv_width = d["q_heads"] * head_dim, d["kv_heads"] * head_dim
+    attn_saved = hidden * (4 + 2 * b) + (q_width + kv_width) * (4 + 3 * b) + 300
+    norm2 = hidden * (4 + 2 * b)                           # the post-attention RMSNorm
+    if d["experts"]:
+        mlp_saved = norm2 + 4 * d["experts"] + d["top_k"] * (2 * hidden + 4 * d["expert_size"]) * b
         if ep > 1:
-            per_token += 2 * top_k * hidden * b           # all-to-all dispatch and combine buffers
+            mlp_saved += 2 * d["top_k"] * hidden * b      # all-to-all dispatch and combine buffers
+        mlp_extra = (1 + 3 * d["top_k"]) * hidden * b
     else:
-        per_token += 4 * get("intermediate_size") * b     # dense MLP: gate, up, activation, down input
-    per_layer = per_token * tokens
-    if eager_attention:     # this rank's heads' (seq x seq) fp32 softmax (+ its 16-bit cast), repeated k/v
-        attn_heads = max(1, heads // (tp * cp))
-        per_layer += micro_batch_size * attn_heads * seq_len * seq_len * (4 + (b if b < 4 else 0))
-        per_layer += tokens * 2 * (q_heads - kv_heads) * head_dim * b
-    saved = layers * (hidden * b * tokens if recompute else per_layer)
+        mlp_saved = norm2 + 4 * d["intermediate"] * b     # dense MLP: gate, up, activation, down input
+        mlp_extra = (hidden + 2 * max(hidden, d["intermediate"])) * b
+    attn_extra = (2 * q_width + 3 * kv_width + 2 * hidden) * b  # + the residual's and the output's gradients
+    per_token = attn_saved + mlp_saved
+    saved, extra_attn = per_token * tokens, attn_extra * tokens
+    if eager_attention:     # this rank's heads' (seq x seq) scores, repeated k/v
+        scores = micro_batch_size * max(1, d["heads"] // (tp * cp)) * seq_len * seq_len
+        saved += scores * (4 + (b if b < 4 else 0)) + tokens * 2 * (q_width - kv_width) * b
+        extra_attn += scores * (4 + b)
+    mlp = mlp_saved * tokens
+    return BlockActivations(saved=float(saved), mlp_saved=float(mlp),
+                            backward_extra=float(max(mlp_extra * tokens, extra_attn - mlp)),
+                            block_input=float(hidden * b * tokens), input_in_saved=float(hidden * b * tokens if b == 4 else 0))
+
+
+def activation_bytes(config, *, tokens: int, seq_len: int, micro_batch_size: int, compute: int, layers: int,
+                     recompute: bool, eager_attention: bool, tp: int = 1, cp: int = 1, ep: int = 1) -> float:
+    """Peak bytes of activations (and their gradients) of one micro-batch of ``tokens`` tokens on
+    one rank (this rank's 1/cp of each sequence): the larger of two moments of backward.
+
+    - The loss's backward: every block's saved tensors (under recompute: every block's input, which
+      the checkpoint keeps), the logits and, per vocabulary entry, the fp32 log-softmax, its
+      gradient and the logits' gradient (12 + b bytes, b = the compute dtype's size).
+      With them the final norm's and the head's inputs and, when the router's load-balancing loss is
+      on, each layer's fp32 router softmax (saved by that loss, outside the blocks).
+    - The first block's backward, once those are freed: the same blocks plus, under recompute, that
+      block's saved tensors re-materialised; its gradients of activations (`block_activations`); the
+      logits, which the caller's output still holds.
+    Checked against the peak live bytes (torch's MemTracker) of whole models' forward + backward,
+    recompute on and off; `benchmarks/memory_plan.py` checks it within real training runs.
+    """
+    block = block_activations(config, tokens=tokens, seq_len=seq_len, micro_batch_size=micro_batch_size,
+                              compute=compute, eager_attention=eager_attention, tp=tp, cp=cp, ep=ep)
+    d, b = _dims(config, tp), compute
     if recompute:
-        saved += per_layer                                # one block recomputed during its backward
-    outside = hidden * (4 + 2 * b) + 2 * b * head_dim + get("vocab_size") * (12 + (b if b < 4 else 0))
-    return float(saved + tokens * outside)
+        blocks = layers * block.block_input
+        first_block = block.saved - block.input_in_saved + block.backward_extra
+    else:
+        blocks, first_block = layers * block.saved, block.backward_extra
+    logits = tokens * d["vocab"] * b
+    loss = tokens * d["vocab"] * (12 + b)                  # logits, fp32 log-softmax and both gradients
+    head = tokens * d["hidden"] * (4 + 2 * b)              # the final norm and the head's input
+    if d["experts"] and getattr(config, "output_router_logits", False):
+        head += layers * tokens * d["experts"] * 4         # the aux loss's fp32 router softmax, every layer
+    rope = tokens * 2 * b * d["head_dim"]
+    return float(blocks + rope + max(loss + head, logits + first_block))
 
 
 def _optimizer_step_bytes(recipe, local_params: int, largest_local: int, device_type: str) -> tuple:
@@ -159,15 +219,34 @@ def _optimizer_step_bytes(recipe, local_params: int, largest_local: int, device_
         "foreach AdamW: one moment-sized temporary of every parameter"
 
 
+def _backward_gradients_and_activations(sizes: Dict[str, float], micro_batches: int, cpu_offload: bool) -> float:
+    """What backward holds at most of activations and gradients together (the transients aside).
+
+    One micro-batch per step: backward starts with every activation saved and no gradient, and ends
+    the other way round (``zero_grad`` freed the last step's): the sharded gradients grow as the
+    activations are freed, so the phase holds the larger of the two. Several micro-batches: the
+    later ones' backward starts with the earlier ones' gradients already there -- the sharded ones
+    when every micro-batch is reduced, else (FSDP2 without gradient sync) every unit's unsharded
+    gradients, accumulated in fp32 until the last micro-batch reduce-scatters them.
+    """
+    activations = sizes.get("activations", 0.0)
+    if "accumulated grads" in sizes:
+        return activations + sizes["accumulated grads"]
+    grads = 0.0 if cpu_offload else sizes["grads"]
+    return activations + grads if micro_batches > 1 else max(activations, grads)
+
+
 def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, tp: int = 1, cp: int = 1,
                   ep: int = 1, wrap_classes=None, mixed_precision: Optional[str] = None,
                   precision: Optional[str] = None, cpu_offload: bool = False,
                   activation_checkpointing: bool = False, reshard_after_forward: bool = True,
                   micro_batch_size: Optional[int] = None, seq_len: Optional[int] = None,
-                  eager_attention: bool = True, micro_batches: int = 1, device_type: str = "cuda") -> ShardingPlan:
+                  eager_attention: bool = True, micro_batches: int = 1, reduce_every_micro_batch: bool = False,
+                  device_type: str = "cuda") -> ShardingPlan:
     """Plan ``model`` (on the meta device) for ``world_size`` ranks; no process group needed.
-    ``micro_batches``: per DP rank and optimizer step (for the traffic per step). ``device_type``:
-    where it will run ("cpu" changes only how torch's AdamW allocates)."""
+    ``micro_batches``: per DP rank and optimizer step (traffic, and the gradients accumulation keeps);
+    ``reduce_every_micro_batch``: as `hyperacc.FSDPConfig`'s. ``device_type``: where it will run
+    ("cpu" changes only how torch's AdamW allocates)."""
     from hyperacc.parallel.context import check_context_parallel, kv_replication
     from hyperacc.sharding import block_classes, find_blocks
 
@@ -283,11 +362,12 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
     if cpu_offload:
         notes.append("cpu_offload: parameters, gradients and optimizer states live in host memory "
                      "(the optimizer step runs there too)")
-    # Backward starts with every activation saved and no gradient, and ends the other way round: the
-    # sharded gradients grow as the activations are freed, so the phase holds the larger of the two.
-    grads_or_acts = max(sizes.get("activations", 0.0), 0.0 if cpu_offload else sizes["grads"])
-    backward = on_device - (0.0 if cpu_offload else sizes["grads"]) + grads_or_acts + sum(
-        sizes[k] for k in ("all-gathered units", "unsharded grads"))
+    if micro_batches > 1 and not reduce_every_micro_batch:
+        sizes["accumulated grads"] = 4.0 * sum(unit_sizes)
+        labels["accumulated grads"] = ("accumulation: every unit's unsharded grads (fp32), kept between "
+                                       "micro-batches")
+    backward = on_device - (0.0 if cpu_offload else sizes["grads"]) + _backward_gradients_and_activations(
+        sizes, micro_batches, cpu_offload) + sum(sizes[k] for k in ("all-gathered units", "unsharded grads"))
     step = on_device + (0.0 if cpu_offload else sizes["optimizer step"])
     if not blocks:
         notes.append(f"no module of class {names} found: the whole model is one FSDP unit")

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from hyperacc.checkpoint.lifecycle import CheckpointDirInUse
 from hyperacc.checkpoint import Checkpointer, TrainState
 from hyperacc.checkpoint import discovery, storage
 from hyperacc.checkpoint.integrity import IntegrityError
@@ -156,7 +157,8 @@ def test_every_bucket_round_trips(tmp_path, per_rank):
     draws = (torch.rand(3), random.random(), np.random.rand())
 
     fresh = make_state(seed=77)
-    assert Checkpointer(config).load(fresh, path) == path
+    resumer = Checkpointer(config)      # the resumed run: it loads, then trains and saves on
+    assert resumer.load(fresh, path) == path
     for k, v in fresh.models[0].state_dict().items():
         torch.testing.assert_close(v, weights[k], rtol=0, atol=0)
     for (a, b), (c, d) in zip(_moments(fresh.optimizers[0]), moments):
@@ -167,7 +169,7 @@ def test_every_bucket_round_trips(tmp_path, per_rank):
     assert fresh.progress.state_dict() == {"global_step": 4, "epoch": 1, "consumed_samples": 8,
                                            "consumed_tokens": 0}
     assert (fresh.loader.epoch, fresh.loader.step_in_epoch) == (1, 1)
-    resumed = train(fresh, Checkpointer(config), 3)
+    resumed = train(fresh, resumer, 3)
     if per_rank:    # RNG continues: the same losses (they include a torch.rand term) and draws
         assert resumed == reference
         assert torch.equal(torch.rand(3), draws[0]) and random.random() == draws[1]
@@ -210,10 +212,11 @@ def test_existing_complete_dir_is_never_overwritten(tmp_path):
     train(state, ckpt, 2)
     path = ckpt.save(state)
     before = {f: os.path.getmtime(os.path.join(path, f)) for f in os.listdir(path)}
-    other = make_state(seed=3)
+    assert ckpt.save(state) is None                         # the same step again: nothing to do
+    other = make_state(seed=3)                              # another run, same directory: refused
     other.progress.global_step = 2
-    with pytest.warns(UserWarning, match="never overwrites"):
-        assert Checkpointer(config).save(other) is None
+    with pytest.raises(CheckpointDirInUse, match="holds checkpoints of another run.*restore_from=LATEST"):
+        Checkpointer(config).save(other)
     assert before == {f: os.path.getmtime(os.path.join(path, f)) for f in os.listdir(path)}
 
 
@@ -243,13 +246,14 @@ def test_a3_pointer_to_incomplete_dir_uses_newest_complete(tmp_path):
     os.makedirs(discovery.step_dir(config.checkpoint_dir, 9))
     open(os.path.join(discovery.step_dir(config.checkpoint_dir, 9), "__0_0.distcp"), "w").close()
     discovery.write_pointer(config.checkpoint_dir, 9)
+    # an explicit path to an incomplete directory is an error
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        Checkpointer(config).load(make_state(), discovery.step_dir(config.checkpoint_dir, 9))
     state = make_state()
     with pytest.warns(UserWarning, match="incomplete"):
         assert Checkpointer(config).load(state, "LATEST") == path
     assert state.progress.global_step == 2
-    # an explicit path to an incomplete directory is an error
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
-        Checkpointer(config).load(make_state(), discovery.step_dir(config.checkpoint_dir, 9))
+    assert discovery.read_pointer(config.checkpoint_dir) == 2      # the resumed run (it saves) moved LATEST
 
 
 def test_a4_weights_only_checkpoint(tmp_path):

@@ -65,6 +65,8 @@ def train(state, steps):
 def saved_run(root, steps=(2, 4), **kw):
     config = CheckpointConfig(checkpoint_dir=str(root), **kw)
     state, ckpt = make_state(), Checkpointer(CheckpointConfig(checkpoint_dir=str(root), **kw))
+    if config.restore_from:
+        ckpt.load(state)
     for target in steps:
         train(state, target - state.progress.global_step)
         ckpt.save(state)
@@ -94,8 +96,8 @@ def test_retention_never_deletes_through_a_symlinked_step_dir(tmp_path):
     root = tmp_path / "ckpt"
     os.makedirs(root)
     os.symlink(outside / "global_step_1", root / "global_step_1")
-    with pytest.warns(UserWarning, match="global_step_1 is a symlink.*left alone"):
-        saved_run(root, steps=(2, 3, 4), keep_last_n=1)
+    with pytest.warns(UserWarning, match="global_step_1 is a symlink.*left alone"):    # a run resumed from it
+        saved_run(root, steps=(2, 3, 4), keep_last_n=1, restore_from="LATEST")
     assert sorted(os.listdir(outside / "global_step_1")) == before      # .metadata and all kept
     assert os.path.islink(root / "global_step_1")
     assert [s for s, _ in discovery.scan(str(root))] == [1, 4]          # own old steps were pruned
@@ -149,15 +151,15 @@ def test_config_yaml_atomic_only_after_an_accepted_resume(tmp_path):
 # ----------------------------------------------------------------------------- integrity
 def test_flipped_bytes_are_named_and_latest_falls_back(tmp_path):
     root = tmp_path / "ckpt"
-    config, _ = saved_run(root, steps=(2,))
+    config, _ = saved_run(root, steps=(2, 4))
+    reader = CheckpointConfig(checkpoint_dir=str(root), save_ckpt=False)    # reads only: sets nothing aside
     probe = make_state()
-    Checkpointer(config).load(probe, str(root / "global_step_2"))
+    Checkpointer(reader).load(probe, str(root / "global_step_2"))
     at_2 = weights(probe.models[0])
-    saved_run(root, steps=(2, 4))                          # step 2 exists: kept; step 4 added
     shard = root / "global_step_4" / "__0_0.distcp"
     flip_bytes(shard)
     with pytest.raises(integrity.IntegrityError) as err:
-        Checkpointer(config).load(make_state(), str(root / "global_step_4"))
+        Checkpointer(reader).load(make_state(), str(root / "global_step_4"))
     message = str(err.value)
     assert "\n" not in message and str(root / "global_step_4") in message
     assert "__0_0.distcp" in message and "contents changed" in message
@@ -178,14 +180,22 @@ def test_truncated_or_empty_shard_in_latest(tmp_path, damage):
         handle.truncate(0 if damage == "empty" else size // 3)
     with pytest.raises(integrity.IntegrityError, match=rf"global_step_4 is damaged: file __0_0.distcp: {damage}"):
         Checkpointer(config).load(make_state(), str(root / "global_step_4"))
-    with pytest.warns(UserWarning, match=f"{damage}.*falling back"):
-        assert Checkpointer(config).load(make_state(), "LATEST").endswith("global_step_2")
+    reader = CheckpointConfig(checkpoint_dir=str(root), save_ckpt=False)
     # no older checkpoint to fall back to: one clear error, not DCP's tracebacks
-    os.remove(root / "global_step_2" / "__0_0.distcp")
+    os.rename(root / "global_step_2" / "__0_0.distcp", tmp_path / "kept")
     with pytest.raises(integrity.IntegrityError, match="__0_0.distcp: missing.*No older checkpoint"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            Checkpointer(config).load(make_state(), "LATEST")
+            Checkpointer(reader).load(make_state(), "LATEST")
+    os.rename(tmp_path / "kept", root / "global_step_2" / "__0_0.distcp")
+    with pytest.warns(UserWarning, match=f"{damage}.*falling back"):
+        assert Checkpointer(reader).load(make_state(), "LATEST").endswith("global_step_2")
+    assert (root / "global_step_4").is_dir()                  # a run that only reads moves nothing
+    # a run that saves sets the damaged step aside (renamed, kept) and LATEST names the step it resumed
+    with pytest.warns(UserWarning, match="global_step_4 -> global_step_4.damaged-"):
+        assert Checkpointer(config).load(make_state(), "LATEST").endswith("global_step_2")
+    assert not (root / "global_step_4").exists() and discovery.read_pointer(str(root)) == 2
+    assert [n for n in os.listdir(root) if n.startswith("global_step_4.damaged-")]
 
 
 def test_checkpoint_without_manifest_loads_with_warning(tmp_path):

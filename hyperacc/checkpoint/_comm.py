@@ -60,6 +60,14 @@ def all_true(flag: bool, group=None) -> bool:
 
 
 _RAISABLE = (FileNotFoundError, FileExistsError, RuntimeError, ValueError, KeyError, TypeError)
+_FORWARDED: dict = {}      # hyperacc's own error classes, re-raised as themselves on every rank
+
+
+def forwarded(cls):
+    """Class decorator: an error of this class raised on rank 0 by `decide_on_rank0` is raised as the
+    same class on every rank (callers catch it by type, e.g. the example's one-line config errors)."""
+    _FORWARDED[cls.__name__] = cls
+    return cls
 
 
 def decide_on_rank0(fn: Callable[[], object], group=None):
@@ -80,7 +88,7 @@ def decide_on_rank0(fn: Callable[[], object], group=None):
     if outcome[0] == "ok":
         return outcome[1]
     _, type_name, message = outcome
-    err_type = getattr(builtins, type_name, None)
+    err_type = _FORWARDED.get(type_name) or getattr(builtins, type_name, None)
     if not (isinstance(err_type, type) and issubclass(err_type, _RAISABLE)):
         err_type = RuntimeError
         message = f"{type_name}: {message}"
@@ -112,7 +120,7 @@ def run_on_every_rank(fn: Callable[[], object], group=None):
     for failed_rank, item in enumerate(summaries):
         if item is not None:
             type_name, message = item
-            err_type = getattr(builtins, type_name, None)
+            err_type = _FORWARDED.get(type_name) or getattr(builtins, type_name, None)
             if not (isinstance(err_type, type) and issubclass(err_type, _RAISABLE)):
                 err_type = RuntimeError
             raise err_type(f"rank {failed_rank} failed: {type_name}: {message}")

@@ -6,6 +6,7 @@ lr_scheduler(s) and the train loader are rank-identical ("shared" extra state); 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from typing import List
@@ -17,9 +18,25 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict)
 
 from hyperacc.checkpoint import _comm
+from hyperacc.progress import Progress
 from hyperacc.sharding import reshard
 
 logger = logging.getLogger("hyperacc.checkpoint")
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything a checkpoint covers, built fresh by the Accelerator for each call."""
+
+    models: list
+    optimizers: list
+    schedulers: list
+    loader: object = None
+    progress: Progress = dataclasses.field(default_factory=Progress)
+    dp_rank: int = 0
+    dp_size: int = 1
+    seed: int = 0
+    precision: str = "fp32_master"      # the recipe (hyperacc.precision), recorded with every save
 
 
 def as_list(value) -> list:

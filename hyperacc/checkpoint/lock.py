@@ -19,7 +19,7 @@ import socket
 import time
 from typing import Optional
 
-from hyperacc.checkpoint import containment
+from hyperacc.checkpoint import _comm, containment
 
 try:
     import fcntl
@@ -29,10 +29,12 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks, no single-
 LOCK_FILE = ".hyperacc.lock"
 
 
+@_comm.forwarded
 class CheckpointDirLocked(RuntimeError):
     """Another job holds the checkpoint directory."""
 
 
+@_comm.forwarded
 class CheckpointDirNotShared(RuntimeError):
     """A rank does not see the checkpoint directory rank 0 writes (another node's local disk), or
     uses another one; raised on every rank alike."""
@@ -42,8 +44,6 @@ def lock_shared(lock: "DirLock", checkpoint_dir: str, group=None) -> None:
     """Collective: rank 0 takes ``lock``; then every rank checks it sees rank 0's lock record in
     ``checkpoint_dir`` (`shared_problem`) and every rank raises the same CheckpointDirNotShared if one
     does not."""
-    from hyperacc.checkpoint import _comm
-
     rank0 = _comm.decide_on_rank0(lambda: (lock.root, lock.acquire()), group)
     problems = _comm.all_gather(shared_problem(checkpoint_dir, rank0), group)
     if any(problems):

@@ -3,7 +3,6 @@ RNG, export, integrity, the directory lock and containment together; each lives 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import time
@@ -11,13 +10,13 @@ from typing import Optional
 
 import torch
 
-from hyperacc.checkpoint import (_comm, buckets, containment, discovery, integrity, optim_state, restore, rng,
-                                 storage)
+from hyperacc.checkpoint import (_comm, buckets, containment, discovery, integrity, lifecycle, optim_state, restore,
+                                 rng, storage)
+from hyperacc.checkpoint.buckets import TrainState
 from hyperacc.checkpoint.export import export_hf
 from hyperacc.checkpoint.lock import DirLock, lock_shared
 from hyperacc.checkpoint.policy import SavePolicy
 from hyperacc.config import CheckpointConfig
-from hyperacc.progress import Progress
 
 logger = logging.getLogger("hyperacc.checkpoint")
 
@@ -35,21 +34,6 @@ class _Clock:
     def done(self):
         self.laps["total"] = time.perf_counter() - self.start
         return self.laps
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Everything a checkpoint covers, built fresh by the Accelerator for each call."""
-
-    models: list
-    optimizers: list
-    schedulers: list
-    loader: object = None
-    progress: Progress = dataclasses.field(default_factory=Progress)
-    dp_rank: int = 0
-    dp_size: int = 1
-    seed: int = 0
-    precision: str = "fp32_master"      # the recipe (hyperacc.precision), recorded with every save
 
 
 class Checkpointer:
@@ -83,6 +67,9 @@ class Checkpointer:
         self.last_save_timings: dict = {}   # seconds the caller was blocked, by phase
         self.last_load_timings: dict = {}
         self.save_guards: list = []         # called on every rank before each save; raising stops it
+        self._restored_from: Optional[str] = None   # the checkpoint this run resumed from
+        self._history_checked = False       # whether checkpoint_dir's history was checked (lifecycle.py)
+        self._damaged: list = []            # checkpoints LATEST skipped as damaged in the last load
 
     # ------------------------------------------------------------------ public API
     def lock(self) -> None:
@@ -155,6 +142,8 @@ class Checkpointer:
         cfg = self.config
         step = int(state.progress.global_step)
         path = os.path.abspath(output_dir or discovery.step_dir(cfg.checkpoint_dir, step))
+        if path == self._last_saved_path and discovery.is_complete(path):
+            return None     # this run saved this step already (e.g. save_state() after a policy save)
         status = _comm.decide_on_rank0(lambda: self._prepare_dir(path), self.cpu_group)
         if status in ("exists", "foreign"):
             what = ("already holds a complete checkpoint" if status == "exists" else
@@ -291,7 +280,9 @@ class Checkpointer:
         clock.lap("train_state")
         self.policy.note_restored(int(state.progress.global_step), int(state.progress.epoch))
         self._last_saved_path = path if discovery.step_of(path) == int(state.progress.global_step) else None
-        if cfg.save_ckpt:   # the resume was accepted: now the run's config may replace the old one
+        self._restored_from = path
+        if cfg.save_ckpt:   # the resume was accepted: its history is this run's; its config replaces the old one
+            self._settle_history(path)
             _comm.decide_on_rank0(self._write_root_config, self.cpu_group)
         _comm.barrier(self.cpu_group)
         clock.lap("barrier")
@@ -299,13 +290,26 @@ class Checkpointer:
         return path
 
     # ------------------------------------------------------------------ internals
+    def _settle_history(self, path: str) -> None:
+        """Collective, after a resume by a run that saves: steps newer than the one restored (damaged or
+        of an abandoned branch) are set aside and LATEST names it (`lifecycle.settle_after_resume`)."""
+        if not self._manages(path):
+            return      # restored from elsewhere: checkpoint_dir must hold no other run (checked at the first save)
+        root, step = self.config.checkpoint_dir, discovery.step_of(path)
+        moved = _comm.decide_on_rank0(lambda: lifecycle.settle_after_resume(root, step, self._damaged), self.cpu_group)
+        if moved:
+            buckets.warn0(f"resumed from step {step}: set aside (renamed, not deleted) in {root}: {'; '.join(moved)}.")
+        self._history_checked = True
+
     def _trusted_checkpoint(self, source: str) -> Optional[str]:
         """Collective: the checkpoint to load, its files verified; "LATEST" falls back past damaged ones."""
         candidates = _comm.decide_on_rank0(lambda: self._candidates(source), self.cpu_group)
+        self._damaged = []
         for n, path in enumerate(candidates):
             problem = restore.verify(path, self.integrity, self.cpu_group)
             if problem is None:
                 return path
+            self._damaged.append(path)
             if n + 1 < len(candidates):
                 buckets.warn0(f"{problem}. restore_from='LATEST': falling back to {candidates[n + 1]}.")
                 continue
@@ -316,9 +320,9 @@ class Checkpointer:
 
     def _manages(self, path: str) -> bool:
         """Whether ``path`` is a step directory of ``checkpoint_dir`` (the layout hyperacc owns: lock,
-        LATEST, retention, config.yaml). An explicit directory elsewhere (accelerate's
+        LATEST, retention, config.yaml, lifecycle). An explicit directory elsewhere (accelerate's
         ``save_state("my_dir")``) is written and read as it is, touching nothing else."""
-        return os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.config.checkpoint_dir)
+        return lifecycle.manages(self.config.checkpoint_dir, path)
 
     def _candidates(self, source: str) -> list:
         """Rank 0: the single-writer lock (when this job may save into checkpoint_dir), then the
@@ -340,12 +344,19 @@ class Checkpointer:
 
     def _prepare_dir(self, path: str) -> str:
         """Rank 0, before a save: the lock, the run's config, and whether ``path`` may be written."""
-        if self._manages(path):
+        managed = self._manages(path)
+        if managed:
             self._lock.acquire()
+            if not self._history_checked:       # a fresh run: the directory must hold no other run's steps
+                lifecycle.refuse_foreign_history(self.config.checkpoint_dir, self._restored_from)
+                self._history_checked = True
             self._write_root_config()
         if containment.is_foreign(path):
             return "foreign"
         if discovery.is_complete(path):
+            if managed:     # the lifecycle set every newer step aside: this would be another history's
+                raise lifecycle.CheckpointDirInUse(f"{path} already holds a complete checkpoint this run did not "
+                                                   "write; it is never overwritten. Use another checkpoint_dir.")
             return "exists"
         if os.path.isdir(path) and os.listdir(path):
             buckets.warn0(f"{path} holds an incomplete checkpoint (no .metadata; an interrupted save): writing "
@@ -375,25 +386,5 @@ class Checkpointer:
 
     def _after_complete(self, path: str, step: int) -> None:
         """Rank 0, once the save is complete: move the LATEST pointer, then apply retention."""
-        root = os.path.abspath(self.config.checkpoint_dir)
-        if os.path.dirname(path) != root or discovery.step_of(path) != step:
-            return  # an explicit output_dir outside the managed layout: no pointer, no retention
-        discovery.write_pointer(root, step)
-        keep = self.config.keep_last_n
-        if keep > 0:
-            protected = {os.path.abspath(p) for p in (path, self._pending_path) if p}
-            pointed = discovery.read_pointer(root)
-            if pointed is not None:
-                protected.add(discovery.step_dir(root, pointed))
-            complete = discovery.scan(root)
-            for _, old in complete[:-keep]:
-                if os.path.abspath(old) in protected:
-                    continue
-                if containment.is_foreign(old):
-                    if old not in self._foreign_warned:
-                        self._foreign_warned.add(old)
-                        buckets.warn0(f"keep_last_n={keep}: {old} is a symlink (a checkpoint hyperacc did not write): "
-                              "it is left alone, not deleted.")
-                    continue
-                discovery.remove_checkpoint(old)
-                logger.info("keep_last_n=%d: removed %s", keep, old)
+        lifecycle.after_save(self.config.checkpoint_dir, path, step, self.config.keep_last_n,
+                             protect=(path, self._pending_path), warned=self._foreign_warned)

@@ -12,7 +12,7 @@ import os
 import warnings
 from typing import List, Optional
 
-from hyperacc.checkpoint import _comm, buckets, discovery, integrity, optim_state, rng, storage
+from hyperacc.checkpoint import _comm, buckets, integrity, optim_state, rng, storage
 
 logger = logging.getLogger("hyperacc.checkpoint")
 warn0 = buckets.warn0
@@ -149,11 +149,6 @@ def _plan_train_state(cfg, path, sentinel, available, plan, state) -> None:
         plan["embedded_numel"] = int(available[storage.EMBEDDED_EXTRA_KEY].size.numel())
     else:
         raise RuntimeError(f"{path}: unknown training-state layout {layout!r}")
-    if cfg.save_ckpt and discovery.step_of(path) is not None:
-        newer = [s for s, _ in discovery.scan(cfg.checkpoint_dir) if s > discovery.step_of(path)]
-        if newer:
-            warn0(f"Resuming from {path} while {cfg.checkpoint_dir} holds newer complete checkpoints "
-                  f"(steps {newer[:6]}): saves that reach those steps will be skipped, not overwritten.")
 
 
 # --------------------------------------------------------------------------- train state
