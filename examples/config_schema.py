@@ -74,7 +74,11 @@ class TrainingConfig:
     of one device (GB = 10^9 bytes); a plan that does not fit it stops the dry run and the training
     run before anything is built (None: not checked). ``collective_timeout_s``: a collective that
     waits longer (a rank died or hangs) stops the job with one line naming the silent rank(s), so an
-    elastic launcher can restart it (see README "Multi-node and fault tolerance")."""
+    elastic launcher can restart it (see README "Multi-node and fault tolerance").
+    ``replica_check_steps``: every that many steps (and before each save) the copies that must agree
+    across ranks -- HSDP replicas, parameters kept whole, the step and the loss -- are compared by
+    checksum; a mismatch stops the job naming the parameter and ranks (0 = only before saves;
+    validate mode checks every step). See README "Replica guard"."""
 
     max_steps: int = 20
     global_batch_size: int = 8
@@ -86,6 +90,7 @@ class TrainingConfig:
     dry_run_report: Optional[str] = None
     device_memory_gb: Optional[float] = None
     collective_timeout_s: float = 1800.0
+    replica_check_steps: int = 100
     gradient_clipping: Optional[float] = 1.0
     epochs: int = 1
     gc_steps: int = 0
@@ -96,7 +101,7 @@ class TrainingConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"training.{name}={getattr(self, name)} must be >= 1. "
                                   f"Fix: --training.{name}=<positive integer>")
-        for name in ("gc_steps", "empty_cache_steps"):
+        for name in ("gc_steps", "empty_cache_steps", "replica_check_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"training.{name}={getattr(self, name)} must be >= 0 (0 = never).")
         check_batch(self)

@@ -10,6 +10,7 @@ Without a YAML it trains the embedded default: a tiny Qwen3-MoE on the offline c
 The library does the hard parts (sharding, exact accumulation, checkpoints, metrics); the loop
 below is all there is to the training itself.
 """
+import dataclasses
 import datetime
 import os
 import sys
@@ -252,6 +253,7 @@ def preflight(cfg, world_size):
     if ck.save_ckpt:
         collect(check_output_path, ck.checkpoint_dir, "--checkpoint.checkpoint_dir", directory=True)
     collect(check_dataset_path, cfg.data.dataset)
+    collect(check_checkpoint_start, cfg)
     collect(lambda: check_optimizer(optimizer_config(cfg), recipe=get_recipe(cfg.fsdp.precision)))
     collect(_check_parallel, cfg, world_size)
     collect(_check_transformers_for_tp_ep, cfg)
@@ -268,6 +270,45 @@ def preflight(cfg, world_size):
         raise ConfigError(problems[0] if len(problems) == 1 else
                           f"{len(problems)} problems: " + " | ".join(problems))
     return tokenizer
+
+
+def check_checkpoint_start(cfg):
+    """The checkpoint directory's state against this run (hyperacc.checkpoint.lifecycle): a
+    ``restore_from`` that names no checkpoint, or a fresh run into a directory holding another run's
+    checkpoints, is refused; a resume must keep the LR schedule the checkpoint was trained on."""
+    from hyperacc.checkpoint.lifecycle import check_start
+
+    ck = cfg.checkpoint
+    try:
+        source = check_start(ck.checkpoint_dir, ck.restore_from, ck.save_ckpt)
+    except (FileNotFoundError, RuntimeError) as err:
+        raise ConfigError(f"checkpoint: {err}") from None
+    if source is not None:
+        _check_resume_schedule(cfg, source)
+
+
+def _check_resume_schedule(cfg, checkpoint):
+    """The LR schedule is a function of (lr_scheduler, total steps): changing either on resume would
+    rescale the schedule mid-run (e.g. a longer max_steps stretches the cosine: a jump in the LR)."""
+    from hyperacc.checkpoint.containment import RUN_CONFIG_FILE
+
+    try:
+        with open(os.path.join(checkpoint, RUN_CONFIG_FILE), encoding="utf-8") as handle:
+            saved = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError):
+        return      # a checkpoint written without the example's config: nothing to compare
+    old_sched, new_sched = dict(saved.get("lr_scheduler") or {}), dataclasses.asdict(cfg.lr_scheduler)
+    old_total = old_sched.pop("total_steps", None) or (saved.get("training") or {}).get("max_steps")
+    new_total = new_sched.pop("total_steps", None) or cfg.training.max_steps
+    changed = [f"lr_scheduler.{k}: {old_sched[k]!r} -> {v!r}" for k, v in new_sched.items()
+               if k in old_sched and old_sched[k] != v]
+    if old_total is not None and int(old_total) != int(new_total):
+        changed.insert(0, f"schedule length (lr_scheduler.total_steps or training.max_steps): {old_total} -> {new_total}")
+    if changed:
+        keep = f" --lr_scheduler.total_steps={old_total}" if old_total is not None else ""
+        raise ConfigError(f"resuming {checkpoint} would change its LR schedule mid-run ({'; '.join(changed)}). Fix: "
+                          f"keep the checkpoint's schedule{keep and ' with' + keep} (training.max_steps may then differ), "
+                          "or start a new run in another --checkpoint.checkpoint_dir.")
 
 
 def _model_config_or_error(cfg, vocab_size):
@@ -365,9 +406,6 @@ def train(cfg, tokenizer):
     from accelerate.utils import InitProcessGroupKwargs
 
     import hyperacc
-    from hyperacc.metrics import MetricsLogger, PeriodicCleanup
-    from hyperacc.training import (NonFiniteError, StepChecks, TokenIdError, check_same_config, evaluate,
-                                   lr_lambda_scheduler, param_groups)
 
     t = cfg.training
     validate = t.mode == "validate"
@@ -380,13 +418,31 @@ def train(cfg, tokenizer):
     acc = hyperacc.Accelerator(parallel=cfg.parallel, fsdp=cfg.fsdp, checkpoint=cfg.checkpoint, seed=t.seed,
                                router_aux_loss=aux if aux in ("sequence", "micro_batch") else None,
                                kwargs_handlers=[timeout])
+    # From here on, a collective that times out (a rank died or hangs: in the data, prepare, load_state,
+    # the loop or the final save) becomes one line naming the silent rank(s) and what they were doing.
+    with acc.runtime.heartbeat.watching():
+        return run_job(cfg, tokenizer, acc)
+
+
+def run_job(cfg, tokenizer, acc):
+    """Everything after the Accelerator: data, model, resume, the loop, the final save."""
+    import hyperacc
+    from hyperacc.metrics import MetricsLogger, PeriodicCleanup
+    from hyperacc.training import (NonFiniteError, StepChecks, TokenIdError, check_same_config, evaluate,
+                                   lr_lambda_scheduler, param_groups)
+
+    t, heartbeat = cfg.training, acc.runtime.heartbeat
+    validate = t.mode == "validate"
+    heartbeat.phase = "starting"
     check_same_config(dump_config(cfg), group=acc.runtime.cpu_group)   # every node launched alike
     acc.print(format_config(cfg))
     # Written atomically into each checkpoint, and as <checkpoint_dir>/config.yaml once a resume is accepted.
     acc.set_run_config(yaml.safe_dump(dump_config(cfg), sort_keys=False))
 
     # Data, model, optimizer, schedule.
+    heartbeat.phase = "building the data"
     train_ds, eval_ds = build_data(cfg, acc, tokenizer)
+    heartbeat.phase = "prepare"
     model = build_model(cfg, vocab_size=len(tokenizer), accelerator=acc)
     optimizer = optimizer_config(cfg).build(param_groups(model, cfg.optimizer.get("weight_decay", 0.0)))
     scheduler = lr_lambda_scheduler(optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.max_steps)
@@ -395,8 +451,10 @@ def train(cfg, tokenizer):
                                            seed=t.seed)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     model.train()
+    heartbeat.phase = "load_state"
     if acc.load_state() is not None:          # checkpoint.restore_from: a path or LATEST
         acc.print(f"resumed at step {acc.progress.global_step} (epoch {acc.progress.epoch})")
+    heartbeat.phase = "training"
 
     # Metrics, housekeeping, checks.
     log = cfg.logging
@@ -409,6 +467,9 @@ def train(cfg, tokenizer):
     cleanup = PeriodicCleanup(t.gc_steps, t.empty_cache_steps, acc.runtime.device_type)
     # Non-finite steps stop the job: checked on logging steps and before every save (validate: every step).
     checks = StepChecks(acc, validate=validate, check_every=log.logging_steps)
+    # Copies that must agree (HSDP replicas, whole parameters, step, loss) are compared every N steps
+    # and before every save (validate: every step).
+    guard = hyperacc.ReplicaGuard(acc, every=1 if validate else t.replica_check_steps)
     max_norm = t.gradient_clipping or float("inf")
     eval_every = cfg.eval.eval_steps if eval_ds is not None else 0
 
@@ -420,8 +481,7 @@ def train(cfg, tokenizer):
     # The loop: one loader item = the micro-batches of one optimizer step.
     step = acc.progress.global_step
     acc.wait_for_everyone()                    # step 1's time must not include another rank's start-up
-    # A collective that times out (a rank died or hangs) becomes one line naming the silent rank(s).
-    with acc.runtime.heartbeat.watching(), metrics:    # metrics: flushed on a non-finite stop
+    with metrics:                              # flushed on a non-finite stop
         metrics.start()
         while step < t.max_steps and loader.epoch < t.epochs:
             epoch = loader.epoch
@@ -438,6 +498,7 @@ def train(cfg, tokenizer):
                 scheduler.step()
                 optimizer.zero_grad()
                 step = acc.progress.global_step
+                guard.maybe_check(step, loss=lambda: acc.step_loss)
                 metrics.log_step(step=step, epoch=epoch, grad_norm=grad_norm, lr=lr, **acc.accumulator.step_metrics())
                 cleanup.maybe_run(step)
                 if eval_every and step % eval_every == 0:
@@ -454,6 +515,7 @@ def train(cfg, tokenizer):
         if eval_every and step % eval_every != 0:
             run_eval(step)                         # the final evaluation
     cleanup.close()
+    heartbeat.phase = "the final save"
     acc.end_training()                         # final save per the policy, process group down
 
 
@@ -479,7 +541,9 @@ def _exit_with(prefix, err, code):
 
 def main(argv=None):
     from hyperacc.training import NonFiniteError, TokenIdError
+    from hyperacc.checkpoint.lifecycle import CheckpointDirInUse
     from hyperacc.checkpoint.lock import CheckpointDirLocked, CheckpointDirNotShared
+    from hyperacc.replica_guard import ReplicaMismatchError
     from hyperacc.watchdog import CollectiveTimeout
 
     try:
@@ -488,9 +552,9 @@ def main(argv=None):
             return dry_run(cfg, world)
         tokenizer = preflight(cfg, world)
         return train(cfg, tokenizer)
-    except (ConfigError, CheckpointDirLocked, CheckpointDirNotShared) as err:
+    except (ConfigError, CheckpointDirLocked, CheckpointDirNotShared, CheckpointDirInUse) as err:
         _exit_with("config error", err, 2)
-    except (NonFiniteError, TokenIdError) as err:
+    except (NonFiniteError, TokenIdError, ReplicaMismatchError) as err:
         _exit_with("error", err, 3)
     except CollectiveTimeout as err:
         _exit_with("error", err, 4)

@@ -111,8 +111,9 @@ class MetricsLogger:
     ``flush_on``: exception types raised on every rank at the same point (e.g. a non-finite step):
     leaving a ``with MetricsLogger(...)`` block with one of them still flushes the buffered steps
     (a collective); other exceptions drop them (a lone failing rank must not hang the others).
-    ``metrics_file`` is opened in append mode: on resume new records follow the old ones (after a
-    crash a step may therefore appear twice; the last record of a step is the valid one).
+    ``metrics_file`` is appended to; records of steps after ``initial_step`` (a branch this run
+    replays, e.g. after a crash past the last checkpoint) are first moved to a sibling
+    ``.superseded-<time>`` file, so each step appears once, in order (``JsonlSink``).
     Sinks (main process only): ``metrics_file`` -> ``JsonlSink``, ``tensorboard_dir`` ->
     ``TensorBoardSink``, then ``ConsoleSink`` (``progress_bar``, ``progress_file``, ``log_fn``), then
     ``sinks`` (objects with ``write(records, kind)``, optionally ``progress(step)`` and ``close()``,
@@ -145,7 +146,7 @@ class MetricsLogger:
         self.sinks: List[Any] = []      # what the main process writes to, in order
         if self.is_main_process:
             if metrics_file:
-                self.sinks.append(JsonlSink(metrics_file))
+                self.sinks.append(JsonlSink(metrics_file, start_step=initial_step))
             if tensorboard_dir:
                 self.sinks.append(TensorBoardSink(tensorboard_dir))
             self.sinks.append(ConsoleSink(progress_bar=progress_bar, max_steps=max_steps, initial_step=initial_step,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import sys
 import warnings
 from typing import Callable, List, Literal, Optional
@@ -57,12 +58,18 @@ class MetricsSink:
 
 
 class JsonlSink(MetricsSink):
-    """Appends ``json.dumps(record)`` lines to ``path`` (flushed per line). The file is opened in
-    append mode (on resume new records follow the old ones); a partial last line left by a killed
-    process is ended first, so the next record starts on its own line."""
+    """Appends ``json.dumps(record)`` lines to ``path`` (flushed per line).
 
-    def __init__(self, path: str):
+    The file describes one history: records of steps after ``start_step`` (the step training
+    resumes from, 0 for a fresh start) belong to a branch this run replays or abandons, so they are
+    moved, with any partial last line a killed process left, to ``<path>.superseded-<time>`` (kept,
+    never deleted) before new records are appended. Each step then appears once, in order."""
+
+    def __init__(self, path: str, start_step: Optional[int] = None):
         self.path = path
+        self.superseded: Optional[str] = None
+        if start_step is not None:
+            self.superseded = _set_aside_after(path, int(start_step))
         self._file = _open_append(path)
 
     def write(self, records: List[dict], kind: Kind) -> None:
@@ -172,6 +179,37 @@ class ConsoleSink(MetricsSink):
             sys.stdout.flush()
         else:
             print(line, flush=True)
+
+
+def _set_aside_after(path: str, step: int) -> Optional[str]:
+    """Move the lines of ``path`` whose record's step is after ``step`` (or that do not parse) to a
+    sibling file; rewrite ``path`` atomically with the rest. Returns the sibling's path, or None."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        lines = [line for line in handle.read().splitlines() if line.strip()]
+    kept, moved = [], []
+    for line in lines:
+        try:
+            record_step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            moved.append(line)
+            continue
+        (kept if record_step <= step else moved).append(line)
+    if not moved:
+        return None
+    aside = f"{path}.superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+    with open(aside, "a", encoding="utf-8") as handle:
+        handle.write("\n".join(moved) + "\n")
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write("".join(line + "\n" for line in kept))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    warnings.warn(f"{path}: {len(moved)} record(s) after step {step} (the step this run starts from) moved to "
+                  f"{aside}; the file now holds each step once, in order.", stacklevel=4)
+    return aside
 
 
 def _open_append(path: str):

@@ -83,10 +83,11 @@ class ReplicaGuard:
             acc.add_save_guard(self.check_now)
 
     # ------------------------------------------------------------------ public
-    def maybe_check(self, step: int, loss: Optional[float] = None) -> None:
-        """Check after optimizer step ``step`` when it is a multiple of ``every``."""
+    def maybe_check(self, step: int, loss=None) -> None:
+        """Check after optimizer step ``step`` when it is a multiple of ``every``. ``loss``: the step
+        loss, or a callable returning it (read only when a check runs: no host sync otherwise)."""
         if self.every and int(step) % self.every == 0:
-            self.check(step, loss)
+            self.check(step, loss() if callable(loss) else loss)
 
     def check_now(self) -> None:
         """Check at the current step (before a checkpoint save: a diverged replica is never saved)."""

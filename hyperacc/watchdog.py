@@ -54,6 +54,7 @@ class Heartbeat:
         """``timeout_s``: the process group's collective timeout (named in the diagnosis)."""
         self.rank, self.world_size, self.interval_s, self.timeout_s = rank, world_size, interval_s, timeout_s
         self._step, self._count = 0, 0     # the optimizer step this rank is working on; beats so far
+        self._phase = "training"           # what this rank is doing (set by the caller: "building the data" ...)
         self._lock = threading.Lock()      # the thread and the training loop share one store client
         self.store = store if store is not None else (_launcher_store(10.0) if world_size > 1 else None)
         restart = env_value("TORCHELASTIC_RESTART_COUNT", "0")
@@ -76,10 +77,22 @@ class Heartbeat:
         if self.store is not None:
             self._beat()
 
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        """What the job does now ("building the data", "prepare", "load_state", "the final save"...):
+        named in the diagnosis, for this rank and for the silent ones. Published at once."""
+        self._phase = str(value)
+        if self.store is not None:
+            self._beat()
+
     def _beat(self) -> None:
         with self._lock:
             self._count += 1
-            self.store.set(f"{self._prefix}/{self.rank}", f"{self._step} {self._count}")
+            self.store.set(f"{self._prefix}/{self.rank}", f"{self._step} {self._count} {self._phase}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -100,15 +113,14 @@ class Heartbeat:
         return out
 
     def silent_ranks(self) -> List[tuple]:
-        """[(rank, last step it reported)] of the ranks whose heartbeat stopped moving."""
+        """[(rank, last step it reported, its phase)] of the ranks whose heartbeat stopped moving."""
         first = self._read()
         time.sleep(2 * self.interval_s)
         second = self._read()
         silent = []
         for rank in range(self.world_size):
             if rank != self.rank and (second[rank] is None or second[rank] == first[rank]):
-                step = second[rank].split()[0] if second[rank] else "?"
-                silent.append((rank, step))
+                silent.append((rank, *_parse_beat(second[rank])))
         return silent
 
     @contextlib.contextmanager
@@ -127,16 +139,26 @@ class Heartbeat:
         if not is_collective_timeout(err):
             return None
         waited = f" after {self.timeout_s:g} s" if self.timeout_s else ""
+        where = f"step {self.step}" if self._phase == "training" else f"{self._phase} (step {self.step})"
         if self.store is None:
-            return (f"step {self.step}: a collective timed out{waited} on rank {self.rank}; no launcher store to "
+            return (f"{where}: a collective timed out{waited} on rank {self.rank}; no launcher store to "
                     "tell which rank went silent (run under torchrun / accelerate launch).")
         try:
             silent = self.silent_ranks()
         except Exception as store_err:  # noqa: BLE001 - the diagnosis must not hide the timeout
-            return f"step {self.step}: a collective timed out{waited} on rank {self.rank} (heartbeats unreadable: {store_err})."
+            return f"{where}: a collective timed out{waited} on rank {self.rank} (heartbeats unreadable: {store_err})."
         if not silent:
-            return (f"step {self.step}: a collective timed out{waited} on rank {self.rank}, but every rank's heartbeat "
+            return (f"{where}: a collective timed out{waited} on rank {self.rank}, but every rank's heartbeat "
                     "still moves: some rank is stuck outside Python (a kernel, I/O) or far behind.")
-        names = ", ".join(f"{rank} (last at step {step})" for rank, step in silent)
-        return (f"step {self.step}: a collective timed out{waited} on rank {self.rank}; silent rank(s): {names}. "
+        names = ", ".join(f"{rank} (last at step {step}{'' if phase == 'training' else ', ' + phase})"
+                          for rank, step, phase in silent)
+        return (f"{where}: a collective timed out{waited} on rank {self.rank}; silent rank(s): {names}. "
                 "The job stops so that an elastic launcher (torchrun --max-restarts) restarts it from LATEST.")
+
+
+def _parse_beat(text: Optional[str]) -> tuple:
+    """(step, phase) from a heartbeat "<step> <count> <phase>" (older beats have no phase)."""
+    if not text:
+        return "?", "not started"
+    parts = text.split(" ", 2)
+    return parts[0], (parts[2] if len(parts) > 2 else "training")

@@ -45,22 +45,26 @@ def test_single_process_jsonl_keys_and_values(tmp_path):
     assert "memory_rss_gib" in last  # CPU reports the resident set size
 
 
-def test_resume_appends_and_repairs_partial_line(tmp_path):
+def test_resume_sets_replayed_steps_and_partial_lines_aside(tmp_path):
     path = tmp_path / "metrics.jsonl"
     with MetricsLogger(metrics_file=str(path), progress_bar=False, log_fn=lambda line: None) as logger:
-        run_steps(logger, [1, 2])
+        run_steps(logger, [1, 2, 3, 4])
     with open(path, "a") as handle:  # a process killed mid-write
-        handle.write('{"step": 3, "lo')
-    with MetricsLogger(metrics_file=str(path), progress_bar=False, initial_step=2, consumed_tokens=128,
-                       consumed_samples=4, log_fn=lambda line: None) as logger:
-        run_steps(logger, [3, 4])
-    raw = path.read_text().splitlines()
-    assert len(raw) == 5 and raw[2] == '{"step": 3, "lo'
-    good = [json.loads(line) for line in raw if line.endswith("}")]
-    assert [rec["step"] for rec in good] == [1, 2, 3, 4]
-    assert good[-1]["consumed_tokens"] == 256  # continued from the restored count
-    with MetricsLogger(metrics_file=str(path), progress_bar=False, log_fn=lambda line: None) as logger:
-        logger.log_step(step=5, loss=1.0, step_time=1.0, consumed_tokens=1000)
+        handle.write('{"step": 5, "lo')
+    # resumed from the checkpoint of step 2: steps 3-4 (and the torn line) belong to the replaced branch
+    with pytest.warns(UserWarning, match=r"3 record\(s\) after step 2 .* moved to .*superseded-"):
+        logger = MetricsLogger(metrics_file=str(path), progress_bar=False, initial_step=2, consumed_tokens=128,
+                               consumed_samples=4, log_fn=lambda line: None)
+    with logger:
+        run_steps(logger, [3, 4, 5])
+    good = [json.loads(line) for line in path.read_text().splitlines()]      # every line parses
+    assert [rec["step"] for rec in good] == [1, 2, 3, 4, 5]                  # each step once, in order
+    assert good[-1]["consumed_tokens"] == 320  # continued from the restored count
+    aside = [p for p in tmp_path.iterdir() if ".superseded-" in p.name]
+    assert len(aside) == 1 and aside[0].read_text().splitlines()[-1] == '{"step": 5, "lo'   # kept, not lost
+    with MetricsLogger(metrics_file=str(path), progress_bar=False, initial_step=5,
+                       log_fn=lambda line: None) as logger:
+        logger.log_step(step=6, loss=1.0, step_time=1.0, consumed_tokens=1000)
     assert read_jsonl_last(path)["consumed_tokens"] == 1000
 
 

@@ -121,3 +121,18 @@ def after_save(root: str, path: str, step: int, keep: int, *, protect=(), warned
             continue
         discovery.remove_checkpoint(old)
         logger.info("keep_last_n=%d: removed %s", keep, old)
+
+
+def check_start(root: str, restore_from: Optional[str], save_ckpt: bool) -> Optional[str]:
+    """Before anything is built (on every rank, no collective): the checkpoint a resume would restore
+    (not yet verified), or None for a fresh start. Raises FileNotFoundError for a ``restore_from`` that
+    names no checkpoint, and :class:`CheckpointDirInUse` when a run that saves would mix its steps
+    with another run's in ``root``. Reads only; writes nothing."""
+    source = None
+    if restore_from is not None:
+        with warnings.catch_warnings():     # "LATEST" in an empty directory: the load warns once, later
+            warnings.simplefilter("ignore")
+            source = discovery.resolve_source(restore_from, root)
+    if save_ckpt and (source is None or not manages(root, source)):
+        refuse_foreign_history(root, source)
+    return source

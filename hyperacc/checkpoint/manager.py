@@ -283,7 +283,8 @@ class Checkpointer:
         self._restored_from = path
         if cfg.save_ckpt:   # the resume was accepted: its history is this run's; its config replaces the old one
             self._settle_history(path)
-            _comm.decide_on_rank0(self._write_root_config, self.cpu_group)
+            if self._history_checked:   # restored from elsewhere: the first save checks the directory first
+                _comm.decide_on_rank0(self._write_root_config, self.cpu_group)
         _comm.barrier(self.cpu_group)
         clock.lap("barrier")
         self.last_load_timings = clock.done()
