@@ -220,3 +220,60 @@ def test_transformers_requirement_covers_tp_and_ep(example, monkeypatch):
     monkeypatch.setattr("importlib.metadata.version", lambda name: "5.20.0")
     with pytest.raises(ConfigError, match=r"need transformers>=5\.23 .* but 5\.20\.0 is installed\. Fix: pip install"):
         example._check_transformers_for_tp_ep(cfg)
+
+
+# ------------------------------------------------------------------- the checkpoint directory, before anything is built
+def _fake_checkpoint(example, root, step, max_steps):
+    """A complete step directory (its .metadata) holding the config.yaml the example writes."""
+    import yaml
+    from hyperacc.cli_config import dump_config
+    path = root / f"global_step_{step}"
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    cfg, _ = example.load_config([f"--training.max_steps={max_steps}"])
+    (path / "config.yaml").write_text(yaml.safe_dump(dump_config(cfg)))
+    (root / "latest_checkpoint_iteration.txt").write_text(f"{step}\n")
+    return path
+
+
+def _checkpoint_error(example, args):
+    with pytest.raises(ConfigError) as info:
+        cfg, _ = example.load_config(list(map(str, args)))
+        example.check_checkpoint_start(cfg)
+    message = str(info.value)
+    assert "\n" not in message and "Fix" in message or "Pass an existing" in message, message
+    return message
+
+
+def test_checkpoint_problems_are_config_errors_before_anything_is_built(example, tmp_path):
+    root = tmp_path / "ckpt"
+    # a mistyped restore_from (was: checked after data and model were built, 100+ lines on every rank)
+    message = _checkpoint_error(example, [f"--checkpoint.checkpoint_dir={root}",
+                                          f"--checkpoint.restore_from={tmp_path / 'ckpt_typo'}"])
+    assert "ckpt_typo" in message and "does not exist" in message
+    _fake_checkpoint(example, root, 10, max_steps=20)
+    # a fresh run into a directory holding another run's checkpoints (was: every save skipped, exit 0)
+    message = _checkpoint_error(example, [f"--checkpoint.checkpoint_dir={root}", "--checkpoint.save_ckpt=true"])
+    assert "holds checkpoints of another run (steps 10)" in message and "restore_from=LATEST" in message
+    # max_steps changed on resume (was: the cosine silently rescaled, 2.4x lower LR at the next step)
+    resume = [f"--checkpoint.checkpoint_dir={root}", "--checkpoint.save_ckpt=true", "--checkpoint.restore_from=LATEST"]
+    message = _checkpoint_error(example, resume + ["--training.max_steps=50"])
+    assert "20 -> 50" in message and "--lr_scheduler.total_steps=20" in message
+    message = _checkpoint_error(example, resume + ["--training.max_steps=20", "--lr_scheduler.warmup_steps=5"])
+    assert "lr_scheduler.warmup_steps: 3 -> 5" in message
+    for fine in (["--training.max_steps=20"], ["--training.max_steps=50", "--lr_scheduler.total_steps=20"]):
+        cfg, _ = example.load_config(resume + fine)
+        example.check_checkpoint_start(cfg)          # the same schedule: accepted
+    cfg, _ = example.load_config([f"--checkpoint.checkpoint_dir={root}", "--checkpoint.save_ckpt=false"])
+    example.check_checkpoint_start(cfg)              # a run that does not save touches nothing: fine
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_10", "latest_checkpoint_iteration.txt"]
+
+
+def test_a_mistyped_restore_from_exits_2_in_one_line(tmp_path):
+    proc = run_python(SCRIPT, [f"--checkpoint.checkpoint_dir={tmp_path / 'ckpt'}",
+                               f"--checkpoint.restore_from={tmp_path / 'nope'}", "--training.max_steps=1"],
+                      check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
+    assert len(lines) == 1 and "nope" in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "ckpt").exists()

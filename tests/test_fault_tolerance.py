@@ -50,6 +50,30 @@ def test_a_silent_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global_step")) == ["global_step_2"]
 
 
+@pytest.mark.parametrize("phase,line", [
+    ("data", "error: building the data (step 0): a collective timed out"),
+    pytest.param("load_state", "error: load_state (step 0): a collective timed out", marks=pytest.mark.slow),
+])
+def test_a_rank_silent_outside_the_loop_is_named_with_its_phase(tmp_path, phase, line):
+    # before: a raw gloo traceback and exit 1 on the survivor; now the one line, naming what each did
+    args = ["--training.max_steps=2", "--training.collective_timeout_s=6", "--checkpoint.save_ckpt=true",
+            f"--checkpoint.checkpoint_dir={tmp_path / 'ckpt'}", "--checkpoint.restore_from=LATEST"]
+    proc = _torchrun(HANG, args, nproc=2, extra=["--standalone"], env={"HANG_PHASE": phase, "HANG_RANK": "1"})
+    seen = []
+    try:
+        deadline = time.monotonic() + 150
+        for text in proc.stdout:
+            seen.append(text)
+            if text.startswith("error: ") or time.monotonic() > deadline:
+                break
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert seen and seen[-1].startswith(line), "".join(seen)[-3000:]
+    silent_phase = "building the data" if phase == "data" else phase
+    assert f"silent rank(s): 1 (last at step 0, {silent_phase})" in seen[-1], seen[-1]
+
+
 def _wait_for_step(path, step, proc, timeout):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
