@@ -219,7 +219,7 @@ def test_transformers_requirement_covers_tp_and_ep(example, monkeypatch):
     cfg, _ = example.load_config(["--parallel.ep_size=2"])
     monkeypatch.setattr("importlib.metadata.version", lambda name: "5.20.0")
     with pytest.raises(ConfigError, match=r"need transformers>=5\.23 .* but 5\.20\.0 is installed\. Fix: pip install"):
-        example._check_transformers_for_tp_ep(cfg)
+        example.check_transformers_for_tp_ep(cfg)
 
 
 # ------------------------------------------------------------------- the checkpoint directory, before anything is built

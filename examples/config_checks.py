@@ -1,0 +1,175 @@
+"""Checks of a training config that need neither a process group nor a model (examples/train_qwen.py).
+
+Each raises one ConfigError naming the problem and the fix; train_qwen.py runs them on every rank
+before anything is built (`load_config`, `preflight`), so every rank prints the same line.
+"""
+import dataclasses
+import os
+
+import yaml
+
+from hyperacc.cli_config import ConfigError
+
+
+# What a checkpoint directory holds at its top level (README "On disk"): no output of the run goes there.
+CHECKPOINT_DIR_FILES = ("global_step_*", "latest_checkpoint_iteration.txt", "config.yaml", ".hyperacc.lock")
+
+
+def check_paths(cfg, config_path):
+    """What the run writes never overwrites what it reads: the config file, the dataset, the tokenizer,
+    the model, the checkpoint it restores (and, in a dry run, which writes only its report, an earlier
+    run's metrics file and TensorBoard directory), nor a file in the checkpoint directory. Paths only:
+    nothing is opened or created."""
+    from hyperacc.training import check_output_path, check_paths_apart, dataset_files
+
+    t, log, ck = cfg.training, cfg.logging, cfg.checkpoint
+    inputs = [("the config file", config_path), ("model.name_or_path", cfg.model.name_or_path),
+              ("data.tokenizer", cfg.data.tokenizer)]
+    inputs += [("data.dataset", path) for path in dataset_files(cfg.data.dataset)]
+    if ck.restore_from and str(ck.restore_from).upper() != "LATEST":
+        inputs.append(("checkpoint.restore_from", ck.restore_from))
+    if t.dry_run:
+        check_output_path(t.dry_run_report, "--training.dry_run_report", directory=False, example_name="plan.json")
+        outputs = [("--training.dry_run_report", t.dry_run_report)]
+        inputs += [("logging.metrics_file", log.metrics_file), ("logging.tensorboard_dir", log.tensorboard_dir)]
+    else:
+        outputs = [("--logging.metrics_file", log.metrics_file), ("--logging.tensorboard_dir", log.tensorboard_dir)]
+    check_paths_apart(outputs, inputs, output_dirs=[("--checkpoint.checkpoint_dir", ck.checkpoint_dir)],
+                      reserved=CHECKPOINT_DIR_FILES)
+
+
+def check_model_dtype(cfg):
+    """``model.dtype`` may only repeat what the precision recipe stores (the recipe decides)."""
+    from hyperacc.precision import get_recipe
+
+    recipe = get_recipe(cfg.fsdp.precision)
+    wanted = str(recipe.param_dtype).replace("torch.", "")
+    if cfg.model.dtype is not None and cfg.model.dtype != wanted:
+        raise ConfigError(f"model.dtype={cfg.model.dtype} contradicts fsdp.precision={recipe.name} (which stores "
+                          f"{wanted} parameters). Fix: drop --model.dtype, or pick the recipe instead, e.g. "
+                          f"--fsdp.precision={'bf16' if cfg.model.dtype == 'bfloat16' else 'fp32_master'}.")
+
+
+# torch.optim.AdamW options hyperacc.optim.AdamW lacks: kernel choices it has no use for (dropped), and
+# variants of the update it does not implement (dropped at their default, refused otherwise).
+_TORCH_KERNEL_CHOICES = ("foreach", "fused", "capturable")
+_TORCH_ADAMW_VARIANTS = {"amsgrad": "AMSGrad (amsgrad=true)", "maximize": "maximize=true",
+                         "differentiable": "differentiable=true"}
+
+
+def optimizer_config(cfg):
+    """The optimizer to build: torch.optim.AdamW becomes hyperacc.optim.AdamW (same arguments but its
+    kernel choices foreach/fused/capturable) under a bf16 recipe, whose fp32 arithmetic and moment
+    dtype follow the recipe. A torch.optim.AdamW option hyperacc's lacks (amsgrad=true ...), and
+    torch's Adam (which ``prepare`` refuses under a bf16 recipe), are a ConfigError naming the fix."""
+    import torch
+
+    from hyperacc.cli_config import Component
+    from hyperacc.precision import get_recipe
+
+    opt, recipe = cfg.optimizer, get_recipe(cfg.fsdp.precision)
+    if not recipe.low_precision:
+        return opt
+    try:
+        cls = opt.resolve()
+    except (ImportError, AttributeError):
+        return opt                                  # named by the parser's own check
+    precision = f"fsdp.precision={recipe.name}"
+    if cls is torch.optim.AdamW:
+        kwargs = {k: v for k, v in opt.kwargs.items() if k not in _TORCH_KERNEL_CHOICES}
+        for name, what in _TORCH_ADAMW_VARIANTS.items():
+            if kwargs.pop(name, False):             # false (the default) is the same update: dropped
+                raise ConfigError(
+                    f"optimizer.{name}={opt.kwargs[name]!r}: under {precision} torch.optim.AdamW runs as "
+                    "hyperacc.optim.AdamW (torch's would keep bf16 moments and round every update of the bf16 "
+                    f"parameters to nearest), which has no {what}. Fix: drop optimizer.{name} (or set it to "
+                    "false), or --fsdp.precision=fp32_master to train with torch.optim.AdamW itself.")
+        return Component("hyperacc.optim.AdamW", kwargs)
+    if isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
+        from hyperacc.optim import AdamW
+        if not issubclass(cls, AdamW):
+            raise ConfigError(
+                f"optimizer._target_={opt.target} under {precision}: {cls.__name__} (torch's Adam) would keep bf16 "
+                "moments and round every update of the bf16 parameters to nearest (small updates vanish), so "
+                "prepare refuses it. Fix: _target_: torch.optim.AdamW in the YAML (run here as hyperacc.optim.AdamW) "
+                f"or hyperacc.optim.AdamW (decoupled weight decay; {cls.__name__}'s weight_decay is an L2 term), or "
+                f"--fsdp.precision=fp32_master to keep {opt.target}.")
+    return opt
+
+
+def check_checkpoint_start(cfg):
+    """The checkpoint directory's state against this run (hyperacc.checkpoint.lifecycle): a
+    ``restore_from`` that names no checkpoint, or a fresh run into a directory holding another run's
+    checkpoints, is refused; a resume must keep the LR schedule the checkpoint was trained on."""
+    from hyperacc.checkpoint.lifecycle import check_start
+
+    ck = cfg.checkpoint
+    try:
+        source = check_start(ck.checkpoint_dir, ck.restore_from, ck.save_ckpt)
+    except (FileNotFoundError, RuntimeError) as err:
+        raise ConfigError(f"checkpoint: {err}") from None
+    if source is not None:
+        check_resume_schedule(cfg, source)
+
+
+def check_resume_schedule(cfg, checkpoint):
+    """The LR schedule is a function of (lr_scheduler, total steps): changing either on resume would
+    rescale the schedule mid-run (e.g. a longer max_steps stretches the cosine: a jump in the LR)."""
+    from hyperacc.checkpoint.containment import RUN_CONFIG_FILE
+
+    try:
+        with open(os.path.join(checkpoint, RUN_CONFIG_FILE), encoding="utf-8") as handle:
+            saved = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError):
+        return      # a checkpoint written without the example's config: nothing to compare
+    old_sched, new_sched = dict(saved.get("lr_scheduler") or {}), dataclasses.asdict(cfg.lr_scheduler)
+    old_total = old_sched.pop("total_steps", None) or (saved.get("training") or {}).get("max_steps")
+    new_total = new_sched.pop("total_steps", None) or cfg.training.max_steps
+    changed = [f"lr_scheduler.{k}: {old_sched[k]!r} -> {v!r}" for k, v in new_sched.items()
+               if k in old_sched and old_sched[k] != v]
+    if old_total is not None and int(old_total) != int(new_total):
+        changed.insert(0, f"schedule length (lr_scheduler.total_steps or training.max_steps): {old_total} -> {new_total}")
+    if changed:
+        keep = f" --lr_scheduler.total_steps={old_total}" if old_total is not None else ""
+        raise ConfigError(f"resuming {checkpoint} would change its LR schedule mid-run ({'; '.join(changed)}). Fix: "
+                          f"keep the checkpoint's schedule{keep and ' with' + keep} (training.max_steps may then differ), "
+                          "or start a new run in another --checkpoint.checkpoint_dir.")
+
+
+def check_router_aux(cfg, config):
+    mode = cfg.model.router_aux_loss
+    if mode in ("sequence", "micro_batch") and not hasattr(config, "router_aux_loss_coef"):
+        raise ConfigError(f"model.router_aux_loss={mode} but {type(config).__name__} is a dense model (no MoE "
+                          "router). Fix: drop --model.router_aux_loss (or set it to off).")
+
+
+MIN_TRANSFORMERS_TP_EP = (5, 23)   # transformers.distributed.expert_parallel with ep_implementation=
+
+
+def check_transformers_for_tp_ep(cfg):
+    """TP and EP run on transformers' own styles (transformers.distributed.tensor_parallel /
+    expert_parallel, as of 5.23): an older transformers is one ConfigError naming the version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    p = cfg.parallel
+    if max(p.tp_size or 1, p.ep_size or 1) <= 1:
+        return
+    try:
+        installed = version("transformers")
+    except PackageNotFoundError:
+        return                                   # reported where the model is built
+    numbers = tuple(int(part) for part in installed.split(".")[:2] if part.isdigit())
+    if numbers < MIN_TRANSFORMERS_TP_EP:
+        need = ".".join(map(str, MIN_TRANSFORMERS_TP_EP))
+        raise ConfigError(f"parallel.tp_size={p.tp_size} / ep_size={p.ep_size} need transformers>={need} "
+                          f"(transformers.distributed.tensor_parallel and expert_parallel), but {installed} is "
+                          f"installed. Fix: pip install 'transformers>={need}', or tp_size=1 and ep_size=1.")
+
+
+def check_parallel(cfg, world_size):
+    """The parallel sizes (YAML/CLI, else the launch environment) against the world size."""
+    from hyperacc.mesh import check_supported
+    try:
+        check_supported(cfg.parallel.resolved(world_size))
+    except (ValueError, NotImplementedError) as err:
+        raise ConfigError(f"parallel sizes for {world_size} process(es): {err}") from None
