@@ -107,6 +107,20 @@ def test_recipe_bytes_and_states():
     assert explicit.state_dtype == torch.float32 and explicit.stochastic_rounding is False
 
 
+def test_rounding_follows_the_run_seed_and_parameter_names():
+    def rounded(run_seed, name, **kwargs):
+        p = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+        opt = optim.AdamW([p], lr=1e-4, weight_decay=0.0, **kwargs)
+        adapt_optimizer(opt, get_recipe("bf16_sr"), seed=run_seed, names={id(p): name})   # what prepare passes
+        p.grad = torch.ones_like(p)
+        opt.step()
+        return opt.seed, p.detach().clone()
+    seed, a = rounded(7, "w")
+    assert seed == 7 and torch.equal(a, rounded(7, "w")[1])          # training.seed reaches the rounding
+    assert not torch.equal(a, rounded(8, "w")[1]) and not torch.equal(a, rounded(7, "v")[1])
+    assert rounded(7, "w", seed=3)[0] == 3                            # an explicit seed wins
+
+
 def test_bad_recipes_fail_with_one_clear_line():
     with pytest.raises(ValueError, match=r"precision='fp16' is not a recipe; choose one of fp32_master, bf16, bf16_sr"):
         FSDPConfig(precision="fp16")
