@@ -17,15 +17,23 @@ Bytes per rank (``plan_sharding(...).bytes``), by category:
     shard for `hyperacc.optim.AdamW` (or torch's single-tensor AdamW on CPU), one moment-sized
     temporary of every parameter for torch's foreach AdamW on accelerators.
 The device peak is the larger of two phases: backward = parameters + moments + the transients +
-the larger of activations and gradients (backward starts with every activation and no gradient
-and ends the other way round; ``zero_grad`` frees the previous step's), and the optimizer step =
-parameters + gradients + moments + its own transient.
+activations and gradients (one micro-batch: the larger of the activations' peak and the gradients
+plus what backward still holds when it reaches the first layer -- backward starts with every
+activation and no gradient and ends the other way round, ``zero_grad`` frees the previous step's;
+several micro-batches: the activations plus the earlier micro-batches' gradients, which FSDP2 keeps
+unsharded in fp32 unless ``reduce_every_micro_batch``), and the optimizer step = parameters +
+gradients + moments + its own transient.
 
-Activations are counted per token from the tensors a Qwen3-style block saves for backward
-(RMSNorm upcasts to fp32, q/k norms and RoPE, attention inputs/outputs, the router's fp32 softmax,
-top-k expert rows through gate_up / activation / down), checked against autograd's saved-tensor
-hooks on CPU; the logits add their fp32 log-softmax and its gradient. `benchmarks/memory_plan.py`
-compares the whole plan with measured peaks.
+Activations (`activation_moments`) are the larger of two moments of backward: the loss's (the
+logits with the fp32 log-softmax and its gradients) and the last block's, when one block's saved
+tensors and the gradients of its activations are live -- on top of every block's saved tensors,
+or under recompute every block's input (the checkpoint keeps it) with that one block
+re-materialised. A block's saved tensors per token (`block_activations`: RMSNorm upcasts to fp32,
+q/k norms and RoPE, attention inputs/outputs, the router's fp32 softmax, top-k expert rows through
+gate_up / activation / down, eager attention's seq x seq scores) were fitted to autograd's
+saved-tensor hooks on CPU, the gradients to the peak live bytes of its backward.
+`benchmarks/memory_plan.py` compares the whole plan with measured peaks, where weights dominate
+and where activations do (recompute on and off).
 
 Traffic notes: FSDP all-gathers per step, EP all-to-all (every routed (token, expert) pair whose
 expert lives on another rank goes there and back, in forward, backward and the recompute
@@ -175,19 +183,23 @@ def block_activations(config, *, tokens: int, seq_len: int, micro_batch_size: in
                             block_input=float(hidden * b * tokens), input_in_saved=float(hidden * b * tokens if b == 4 else 0))
 
 
-def activation_bytes(config, *, tokens: int, seq_len: int, micro_batch_size: int, compute: int, layers: int,
-                     recompute: bool, eager_attention: bool, tp: int = 1, cp: int = 1, ep: int = 1) -> float:
-    """Peak bytes of activations (and their gradients) of one micro-batch of ``tokens`` tokens on
-    one rank (this rank's 1/cp of each sequence): the larger of two moments of backward.
+def activation_moments(config, *, tokens: int, seq_len: int, micro_batch_size: int, compute: int, layers: int,
+                       recompute: bool, eager_attention: bool, tp: int = 1, cp: int = 1, ep: int = 1) -> tuple:
+    """(peak, tail): bytes of activations (and their gradients) of one micro-batch of ``tokens``
+    tokens on one rank (this rank's 1/cp of each sequence) at their peak, and what backward still
+    holds when it reaches the first layer, i.e. beside (nearly) all of the step's gradients.
 
+    The peak is the larger of two moments of backward:
     - The loss's backward: every block's saved tensors (under recompute: every block's input, which
       the checkpoint keeps), the logits and, per vocabulary entry, the fp32 log-softmax, its
       gradient and the logits' gradient (12 + b bytes, b = the compute dtype's size).
       With them the final norm's and the head's inputs and, when the router's load-balancing loss is
       on, each layer's fp32 router softmax (saved by that loss, outside the blocks).
-    - The first block's backward, once those are freed: the same blocks plus, under recompute, that
+    - The last block's backward, once those are freed: the same blocks plus, under recompute, that
       block's saved tensors re-materialised; its gradients of activations (`block_activations`); the
       logits, which the caller's output still holds.
+    The tail is the first layer's backward: the logits, its input and its (re-materialised) saved
+    tensors with their gradients.
     Checked against the peak live bytes (torch's MemTracker) of whole models' forward + backward,
     recompute on and off; `benchmarks/memory_plan.py` checks it within real training runs.
     """
@@ -196,16 +208,23 @@ def activation_bytes(config, *, tokens: int, seq_len: int, micro_batch_size: int
     d, b = _dims(config, tp), compute
     if recompute:
         blocks = layers * block.block_input
-        first_block = block.saved - block.input_in_saved + block.backward_extra
+        one_block = block.saved - block.input_in_saved + block.backward_extra   # on top of its input
     else:
-        blocks, first_block = layers * block.saved, block.backward_extra
+        blocks, one_block = layers * block.saved, block.backward_extra          # on top of its saved
     logits = tokens * d["vocab"] * b
     loss = tokens * d["vocab"] * (12 + b)                  # logits, fp32 log-softmax and both gradients
     head = tokens * d["hidden"] * (4 + 2 * b)              # the final norm and the head's input
     if d["experts"] and getattr(config, "output_router_logits", False):
         head += layers * tokens * d["experts"] * 4         # the aux loss's fp32 router softmax, every layer
     rope = tokens * 2 * b * d["head_dim"]
-    return float(blocks + rope + max(loss + head, logits + first_block))
+    peak = blocks + rope + max(loss + head, logits + one_block)
+    tail = rope + logits + (block.block_input if recompute else block.saved) + one_block
+    return float(peak), float(min(tail, peak))
+
+
+def activation_bytes(config, **kwargs) -> float:
+    """The peak of `activation_moments` (same arguments)."""
+    return activation_moments(config, **kwargs)[0]
 
 
 def _optimizer_step_bytes(recipe, local_params: int, largest_local: int, device_type: str) -> tuple:
@@ -219,12 +238,15 @@ def _optimizer_step_bytes(recipe, local_params: int, largest_local: int, device_
         "foreach AdamW: one moment-sized temporary of every parameter"
 
 
-def _backward_gradients_and_activations(sizes: Dict[str, float], micro_batches: int, cpu_offload: bool) -> float:
+def _backward_gradients_and_activations(sizes: Dict[str, float], tail: float, micro_batches: int,
+                                        cpu_offload: bool) -> float:
     """What backward holds at most of activations and gradients together (the transients aside).
 
-    One micro-batch per step: backward starts with every activation saved and no gradient, and ends
-    the other way round (``zero_grad`` freed the last step's): the sharded gradients grow as the
-    activations are freed, so the phase holds the larger of the two. Several micro-batches: the
+    One micro-batch per step: backward starts with every activation saved and no gradient
+    (``zero_grad`` freed the last step's) and ends the other way round: the sharded gradients grow
+    as the activations are freed. The phase holds the larger of the activations' peak and the
+    gradients plus ``tail``, what is still held when backward reaches the first layer (the logits
+    the caller holds, that layer's activations: `activation_moments`). Several micro-batches: the
     later ones' backward starts with the earlier ones' gradients already there -- the sharded ones
     when every micro-batch is reduced, else (FSDP2 without gradient sync) every unit's unsharded
     gradients, accumulated in fp32 until the last micro-batch reduce-scatters them.
@@ -233,7 +255,7 @@ def _backward_gradients_and_activations(sizes: Dict[str, float], micro_batches: 
     if "accumulated grads" in sizes:
         return activations + sizes["accumulated grads"]
     grads = 0.0 if cpu_offload else sizes["grads"]
-    return activations + grads if micro_batches > 1 else max(activations, grads)
+    return activations + grads if micro_batches > 1 else max(activations, grads + tail)
 
 
 def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, tp: int = 1, cp: int = 1,
@@ -335,14 +357,19 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
         passes = 2 * (3 if activation_checkpointing else 2)            # dispatch + combine, fwd/bwd(/recompute)
         all_to_all = tokens * top_k * hidden * compute * layers * passes * (ep - 1) / ep
         notes.append(f"all-to-all per rank and step (EP, sent): {_bytes(all_to_all).strip()}")
+    activations_tail = 0.0
     if micro_batch_size and seq_len and config is not None:
         tokens = micro_batch_size * seq_len // cp                   # this rank's piece of each sequence
-        sizes["activations"] = activation_bytes(
+        sizes["activations"], activations_tail = activation_moments(
             config, tokens=tokens, seq_len=seq_len, micro_batch_size=micro_batch_size, compute=compute,
             layers=len(blocks), recompute=activation_checkpointing, eager_attention=eager_attention, tp=tp, cp=cp,
             ep=ep)
-        labels["activations"] = ("activations (block inputs + one block recomputed" if activation_checkpointing
-                                 else "activations (every block") + ", logits and their fp32 gradient)"
+        labels["activations"] = ("activations (block inputs + max(loss's fp32 grads, a recomputed block))"
+                                 if activation_checkpointing else
+                                 "activations (every block + max(loss's fp32 grads, a block's grads))")
+        if micro_batches == 1:
+            notes.append(f"backward ends with the grads and {_bytes(activations_tail).strip()} of activations "
+                         "(the logits the caller holds, the first layer's backward)")
         if cp > 1:
             heads = int(getattr(config, "num_attention_heads", 1))
             hidden = int(getattr(config, "hidden_size", 0))
@@ -353,6 +380,10 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
             passes = 3 if activation_checkpointing else 2                # forward, backward (, recompute)
             cp_bytes = tokens * micro_batches * len(blocks) * per_token * passes * (cp - 1) / cp
             notes.append(f"all-to-all per rank and step (CP, sent): {_bytes(cp_bytes).strip()}")
+    if micro_batches > 1 and not reduce_every_micro_batch:
+        sizes["accumulated grads"] = 4.0 * sum(unit_sizes)
+        labels["accumulated grads"] = ("accumulation: every unit's unsharded grads (fp32), kept between "
+                                       "micro-batches")
     largest_local = max((sharded(n, p) for n, p in named.items()), default=0)
     sizes["optimizer step"], labels["optimizer step"] = _optimizer_step_bytes(recipe, local, largest_local, device_type)
     labels["optimizer step"] = "transient: optimizer step, " + labels["optimizer step"]
@@ -362,12 +393,9 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
     if cpu_offload:
         notes.append("cpu_offload: parameters, gradients and optimizer states live in host memory "
                      "(the optimizer step runs there too)")
-    if micro_batches > 1 and not reduce_every_micro_batch:
-        sizes["accumulated grads"] = 4.0 * sum(unit_sizes)
-        labels["accumulated grads"] = ("accumulation: every unit's unsharded grads (fp32), kept between "
-                                       "micro-batches")
-    backward = on_device - (0.0 if cpu_offload else sizes["grads"]) + _backward_gradients_and_activations(
-        sizes, micro_batches, cpu_offload) + sum(sizes[k] for k in ("all-gathered units", "unsharded grads"))
+    held = _backward_gradients_and_activations(sizes, activations_tail, micro_batches, cpu_offload)
+    backward = on_device - (0.0 if cpu_offload else sizes["grads"]) + held + sum(
+        sizes[k] for k in ("all-gathered units", "unsharded grads"))
     step = on_device + (0.0 if cpu_offload else sizes["optimizer step"])
     if not blocks:
         notes.append(f"no module of class {names} found: the whole model is one FSDP unit")

@@ -26,7 +26,7 @@ from typing import Dict, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from hyperacc.rounding import element_indices, rounding_key, rounding_noise, stochastic_round_
+from hyperacc.rounding import dim_positions, element_indices, rounding_key, rounding_noise, stochastic_round_
 
 __all__ = ["AdamW", "stochastic_round_"]
 
@@ -94,11 +94,13 @@ class AdamW(torch.optim.Optimizer):
         tensors = [_local(param), _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"])]
         rounded = self.stochastic_rounding and tensors[0].dtype == torch.bfloat16
         key = rounding_key(self.seed or 0, int(step), self.param_names.get(id(param), f"#{index}")) if rounded else None
+        positions = dim_positions(param) if key is not None else None    # once per parameter
         start = 0
         for pieces in _chunks(tensors):
             noise = None
             if key is not None:
-                noise = rounding_noise(key, element_indices(param, start, pieces[0].numel()))
+                indices = element_indices(param, start, pieces[0].numel(), positions)
+                noise = rounding_noise(key, indices, wide=param.numel() > 1 << 32)
             _adamw_(*pieces, group, step, noise)
             start += pieces[0].numel()
 

@@ -10,22 +10,23 @@ would round differently from the uninterrupted one. Here an element's bits are a
 * the rounding is independent of the sharding: 1 process and 8 round every element the same way,
 * there is no RNG state to checkpoint: a resumed run rounds as the uninterrupted one did.
 
-The hash is an integer mixer (two multiply-xorshift rounds) computed with int64 tensor arithmetic
+The hash is an integer mixer (multiply-xorshift rounds) computed with int64 tensor arithmetic
 whose products stay below 2**63 (32-bit values times 31-bit constants): no overflow, so every
-device computes the same bits. The global indices of a DTensor's local elements come from
-``distribute_tensor`` of a 1-D index vector per tensor dimension with the same placements and
-``src_data_rank=None`` (no communication): torch's own sharding rules, uneven and strided shards
-included.
+device computes the same bits. The global indices of a DTensor's local elements follow torch's
+sharding rules per tensor dimension (torch.chunk per mesh dimension; later mesh dimensions first
+for a strided shard, as FSDP2 lays out a TP-sharded dimension), checked against the local shape
+and, in the tests, against ``distribute_tensor`` itself. An FSDP shard (whole rows of dim 0) is
+one contiguous run of the full tensor: its indices are an offset plus ``arange``.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["rounding_key", "element_indices", "rounding_noise", "stochastic_round_"]
+__all__ = ["rounding_key", "dim_positions", "element_indices", "rounding_noise", "stochastic_round_"]
 
 _MASK32 = 0xFFFFFFFF
 _MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)     # odd, < 2**31: a 32-bit value times one fits in int64
@@ -46,11 +47,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def rounding_noise(key: tuple, indices: torch.Tensor) -> torch.Tensor:
-    """16 random bits (int32 in [0, 65536)) for each global element index in ``indices`` (int64)."""
-    low, high = indices & _MASK32, indices >> 32
-    mixed = _mix32(low ^ key[0])
-    mixed = _mix32(mixed ^ high ^ key[1])
+def rounding_noise(key: tuple, indices: torch.Tensor, *, wide: bool = False) -> torch.Tensor:
+    """16 random bits (int32 in [0, 65536)) for each global element index in ``indices`` (int64).
+    ``wide``: the full tensor has more than 2**32 elements (the high index bits are folded in too;
+    decided from the tensor's size, not read from the device)."""
+    mixed = indices & _MASK32
+    if wide:
+        mixed = mixed ^ _mix32((indices >> 32) ^ key[1])
+    mixed = _mix32(mixed ^ key[0])
     return (mixed & 0xFFFF).to(torch.int32)
 
 
@@ -62,17 +66,25 @@ def stochastic_round_(target: torch.Tensor, value: torch.Tensor, noise: torch.Te
     target.copy_(rounded.view(torch.float32))                         # exact: the low 16 bits are zero
 
 
-def _dim_positions(tensor: torch.Tensor) -> List[torch.Tensor]:
-    """For each dimension, the global positions of this rank's local slices along it."""
+def dim_positions(tensor: torch.Tensor) -> List[torch.Tensor]:
+    """For each dimension, the global positions of this rank's local slices along it (small 1-D
+    tensors, on the CPU: reading them never waits for a device)."""
     shape = tuple(tensor.shape)
     if not isinstance(tensor, DTensor):
-        return [torch.arange(n, device=tensor.device) for n in shape]
+        return [torch.arange(n) for n in shape]
     mesh, placements = tensor.device_mesh, tensor.placements
+    coordinate = mesh.get_coordinate()
     positions = []
     for dim, size in enumerate(shape):
-        along = [_as_1d(p) if isinstance(p, Shard) and p.dim == dim else Replicate() for p in placements]
-        vector = distribute_tensor(torch.arange(size, device=mesh.device_type), mesh, along, src_data_rank=None)
-        positions.append(vector.to_local())
+        splits = [(m, p) for m, p in enumerate(placements) if _shards(p, dim)]
+        if any(type(p) is not Shard for _, p in splits):
+            splits.reverse()        # a strided shard: the later mesh dimensions split the tensor first
+        along = torch.arange(size)
+        for mesh_dim, _ in splits:  # torch.chunk, as Shard and FSDP2 split (uneven: the last pieces shorter)
+            pieces = along.chunk(mesh.size(mesh_dim))
+            index = coordinate[mesh_dim]
+            along = pieces[index] if index < len(pieces) else along[:0]
+        positions.append(along)
     local_shape = tuple(tensor.to_local().shape)
     if tuple(len(p) for p in positions) != local_shape:     # torch changed its sharding rules
         raise RuntimeError(f"stochastic rounding: derived a local shape {tuple(len(p) for p in positions)} for "
@@ -80,29 +92,34 @@ def _dim_positions(tensor: torch.Tensor) -> List[torch.Tensor]:
     return positions
 
 
-def _as_1d(placement: Shard) -> Shard:
-    """The same placement (plain or strided) acting on dimension 0 of a 1-D vector."""
-    if type(placement) is Shard:
-        return Shard(0)
-    return type(placement)(0, split_factor=placement.split_factor)    # torch's _StridedShard
+def _shards(placement, dim: int) -> bool:
+    """Whether ``placement`` splits tensor dimension ``dim``: Shard, or torch's _StridedShard (which,
+    in torch 2.13, is neither a Shard subclass nor says is_shard())."""
+    return not placement.is_replicate() and not placement.is_partial() and getattr(placement, "dim", None) == dim
 
 
-def element_indices(tensor: torch.Tensor, start: int = 0, length: int = -1) -> torch.Tensor:
+def element_indices(tensor: torch.Tensor, start: int = 0, length: int = -1,
+                    positions: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
     """Global flat (row-major) indices in the full tensor of the local elements ``start`` ..
-    ``start + length`` (flat, row-major positions in this rank's contiguous local tensor)."""
-    positions = _dim_positions(tensor)
-    global_strides = _row_major_strides(tuple(tensor.shape))
+    ``start + length`` (flat, row-major positions in this rank's contiguous local tensor).
+    ``positions``: `dim_positions(tensor)`, when the caller asks for several pieces of one tensor."""
+    positions = dim_positions(tensor) if positions is None else positions
+    global_shape = tuple(tensor.shape)
+    global_strides = _row_major_strides(global_shape)
     local_shape = [len(p) for p in positions]
     total = 1
     for n in local_shape:
         total *= n
     length = total - start if length < 0 else length
-    device = positions[0].device if positions else tensor.device
+    device = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).device
     flat = torch.arange(start, start + length, dtype=torch.int64, device=device)
+    if all(len(p) == n for p, n in zip(positions[1:], global_shape[1:])):
+        # only dim 0 split (FSDP; chunks of chunks are runs of rows): one contiguous run, an offset
+        return flat.add_(int(positions[0][0]) * global_strides[0] if positions and total else 0)
     out = torch.zeros(length, dtype=torch.int64, device=device)
     for dim in reversed(range(len(local_shape))):
         flat, coordinate = flat.div(local_shape[dim], rounding_mode="floor"), flat.remainder(local_shape[dim])
-        out += positions[dim][coordinate] * global_strides[dim]
+        out += positions[dim].to(device)[coordinate] * global_strides[dim]
     return out
 
 

@@ -70,7 +70,7 @@ def test_rounding_noise_is_uniform_keyed_and_decorrelated():
         assert (a == b).double().mean() < 1e-3
         assert abs(torch.corrcoef(torch.stack([a.double(), b.double()]))[0, 1]) < 0.01
     big = torch.tensor([5, 5 + (1 << 32)])                       # indices past 2**32 differ too
-    assert rounding.rounding_noise((0, 0), big).unique().numel() == 2
+    assert rounding.rounding_noise((0, 0), big, wide=True).unique().numel() == 2
 
 
 def test_element_indices_of_plain_tensors_are_row_major_positions():

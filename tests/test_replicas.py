@@ -81,6 +81,14 @@ def test_the_guard_passes_agreeing_copies_and_finds_a_one_ulp_mismatch_at_its_ne
     assert "model.embed_tokens.weight" in error and "\n" not in error
 
 
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_element_indices_match_torchs_own_sharding(tmp_path, world):
+    # the oracle: distribute_tensor(arange(numel)) puts each element's global index where it lives
+    out = tmp_path / "indices.json"
+    run_torchrun(REPO / "tests" / "scripts" / "rounding_indices.py", world, [out], timeout=300)
+    assert json.loads(out.read_text()) == []
+
+
 def test_the_guard_refuses_a_nonsense_interval():
     from hyperacc.replica_guard import ReplicaGuard
 
