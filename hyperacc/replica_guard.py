@@ -154,7 +154,7 @@ class ReplicaGuard:
                             f"which must hold identical copies of it ({label}). The job stops before it trains or "
                             "saves on diverged copies. Fix: find what differs between the ranks (a rank-dependent "
                             "random stream, a non-deterministic kernel, faulty hardware on one node); resume "
-                            "from the last checkpoint with --checkpoint.restore_from=LATEST.")
+                            "from the last checkpoint (load_state('LATEST'); the example: --checkpoint.restore_from=LATEST).")
         return None
 
 

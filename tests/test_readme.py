@@ -9,7 +9,8 @@ from dist_utils import REPO, _env
 
 README = (REPO / "README.md").read_text()
 SECTIONS = ["Quick start", "Coming from accelerate", "The micro-batch dataloader", "Checkpoints",
-            "Configuration: YAML + typed command-line overrides", "Step metrics", "Precision recipes"]
+            "Configuration: YAML + typed command-line overrides", "Step metrics", "Precision recipes",
+            "Replica guard"]
 
 
 def first_python_block(heading: str) -> str:
