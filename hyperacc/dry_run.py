@@ -177,10 +177,10 @@ def block_activations(config, *, tokens: int, seq_len: int, micro_batch_size: in
         scores = micro_batch_size * max(1, d["heads"] // (tp * cp)) * seq_len * seq_len
         saved += scores * (4 + (b if b < 4 else 0)) + tokens * 2 * (q_width - kv_width) * b
         extra_attn += scores * (4 + b)
-    mlp = mlp_saved * tokens
+    mlp, block_input = mlp_saved * tokens, hidden * b * tokens
     return BlockActivations(saved=float(saved), mlp_saved=float(mlp),
                             backward_extra=float(max(mlp_extra * tokens, extra_attn - mlp)),
-                            block_input=float(hidden * b * tokens), input_in_saved=float(hidden * b * tokens if b == 4 else 0))
+                            block_input=float(block_input), input_in_saved=float(block_input if b == 4 else 0))
 
 
 def activation_moments(config, *, tokens: int, seq_len: int, micro_batch_size: int, compute: int, layers: int,
@@ -191,8 +191,8 @@ def activation_moments(config, *, tokens: int, seq_len: int, micro_batch_size: i
 
     The peak is the larger of two moments of backward:
     - The loss's backward: every block's saved tensors (under recompute: every block's input, which
-      the checkpoint keeps), the logits and, per vocabulary entry, the fp32 log-softmax, its
-      gradient and the logits' gradient (12 + b bytes, b = the compute dtype's size).
+      the checkpoint keeps) and, per logit, the logit itself, the fp32 log-softmax, its gradient and
+      the logits' fp32 gradient (b + 12 bytes, b = the compute dtype's size: 16 in fp32, 14 in bf16).
       With them the final norm's and the head's inputs and, when the router's load-balancing loss is
       on, each layer's fp32 router softmax (saved by that loss, outside the blocks).
     - The last block's backward, once those are freed: the same blocks plus, under recompute, that

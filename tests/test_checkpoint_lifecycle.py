@@ -222,4 +222,5 @@ def test_a_fresh_run_in_a_used_directory_is_refused_and_changes_nothing(tmp_path
     state = make_state(seed=1)
     with pytest.raises(CheckpointDirInUse, match="holds checkpoints of another run.*restore_from=LATEST"):
         train(state, new, 2)
+    assert state.progress.global_step == 1                   # told at its first step, not at its first save
     assert snapshot(root) == before and open(os.path.join(root, "config.yaml")).read() == "run: old\n"

@@ -3,8 +3,8 @@
 What autograd saves is measured with saved-tensor hooks (one block, no recompute); what forward +
 backward hold at their peak under recompute -- every block's input, then one block re-materialised
 with the gradients of its activations -- with a dispatch mode that counts live tensor storages.
-The model is small but shaped like the issue's: a vocabulary so small that activations dominate,
-top-4 routing, so that one block's backward weighs as much as all the blocks' inputs.
+The model is small but shaped where the plan used to miss: a vocabulary so small that activations
+dominate, top-4 routing, so that one block's backward weighs as much as all the blocks' inputs.
 The multi-process check of the whole plan is benchmarks/memory_plan.py (slow set: test_rehearsal)."""
 import weakref
 

@@ -16,24 +16,10 @@ from hyperacc.checkpoint.buckets import TrainState
 from hyperacc.checkpoint.export import export_hf
 from hyperacc.checkpoint.lock import DirLock, lock_shared
 from hyperacc.checkpoint.policy import SavePolicy
+from hyperacc.checkpoint.timing import PhaseClock
 from hyperacc.config import CheckpointConfig
 
 logger = logging.getLogger("hyperacc.checkpoint")
-
-
-class _Clock:
-    def __init__(self):
-        self.start = self.last = time.perf_counter()
-        self.laps = {}
-
-    def lap(self, name):
-        now = time.perf_counter()
-        self.laps[name] = now - self.last
-        self.last = now
-
-    def done(self):
-        self.laps["total"] = time.perf_counter() - self.start
-        return self.laps
 
 
 class Checkpointer:
@@ -86,6 +72,8 @@ class Checkpointer:
         """After each optimizer step: save when the policy says so. Returns the directory saved."""
         if not self.config.save_ckpt:
             return None
+        if not self._history_checked:   # a fresh run learns at its first step, not its first save, that
+            self._check_history()       # checkpoint_dir holds another run's checkpoints
         self._reap_finished_async()
         loader_epoch = getattr(state.loader, "epoch", None)
         epoch = int(loader_epoch) if loader_epoch is not None else int(state.progress.epoch)
@@ -240,7 +228,7 @@ class Checkpointer:
         source = source if source is not None else cfg.restore_from
         if source is None:
             return None
-        clock = _Clock()
+        clock = PhaseClock()
         models = buckets.as_list(state.models)
         optimizers = buckets.as_list(state.optimizers) if cfg.restore_optimizer else []
         owners = [buckets.optimizer_owner(models, i, len(optimizers)) for i in range(len(optimizers))]
@@ -300,6 +288,12 @@ class Checkpointer:
         moved = _comm.decide_on_rank0(lambda: lifecycle.settle_after_resume(root, step, self._damaged), self.cpu_group)
         if moved:
             buckets.warn0(f"resumed from step {step}: set aside (renamed, not deleted) in {root}: {'; '.join(moved)}.")
+        self._history_checked = True
+
+    def _check_history(self) -> None:
+        """Collective: `lifecycle.refuse_foreign_history` for a run that did not resume from checkpoint_dir."""
+        root = self.config.checkpoint_dir
+        _comm.decide_on_rank0(lambda: lifecycle.refuse_foreign_history(root, self._restored_from), self.cpu_group)
         self._history_checked = True
 
     def _trusted_checkpoint(self, source: str) -> Optional[str]:
