@@ -7,13 +7,15 @@ with the difference of their plans:
     does everything but the model (imports, process group, Accelerator, batches); its plan is 0.
   - "acts" cases (vocabulary 512, 6 layers of hidden 512, 8 experts, sequences of 512-1024 tokens:
     activations dominate): the second job trains a 1-layer hidden-64 twin of the same model on the
-    same batches, which cancels what does not grow with the model (autograd's and gloo's buffers,
-    thread-local kernels' scratch, the allocator's small-block heap).
+    same batches, which cancels what any model's run holds whatever its size (the kernels' code
+    pages, autograd's, gloo's and the allocator's first-use buffers: ~80 MiB, as much as these
+    models' plans). A third job without a model measures that ("twin's overhead" in the table).
 Measured = peak RSS (VmHWM) of the first job minus the second's, per rank; planned = the plan's
 device peak for the first model minus the second's (the same layout and recipe).
 glibc's malloc is told to map every block >= 64 KiB on its own (MALLOC_MMAP_THRESHOLD_), so freed
 tensors leave RSS at once and the peak is the peak of live memory, as on a device allocator, and
-oneDNN's primitive cache (CPU bf16 kernels keep reordered weights and scratch pads there) is off.
+oneDNN's primitive cache (CPU bf16 kernels keep reordered weights and scratch pads there) is off;
+the "acts" jobs do not use oneDNN at all (see `worker`).
 
     python benchmarks/memory_plan.py                 # every case, Markdown table, ratios last
     python benchmarks/memory_plan.py --cases fsdp:bf16:1 --steps 3

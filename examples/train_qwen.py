@@ -103,6 +103,7 @@ def memory_plan(cfg, world_size, vocab_size=None, device_type="cuda"):
             activation_checkpointing=fsdp.activation_checkpointing, reshard_after_forward=fsdp.reshard_after_forward,
             micro_batch_size=cfg.training.micro_batch_size, seq_len=cfg.data.seq_len,
             eager_attention=cfg.model.attn_implementation in (None, "eager"), device_type=device_type,
+            reduce_every_micro_batch=bool(fsdp.reduce_every_micro_batch),
             micro_batches=check_batch(cfg.training, max(1, world_size // (p.tp_size * p.cp_size))))
     except ValueError as err:
         raise ConfigError(f"dry run for {world_size} ranks: {err}") from None
