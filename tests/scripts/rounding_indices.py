@@ -20,14 +20,13 @@ from hyperacc.rounding import dim_positions, element_indices
 
 def cases(world):
     shapes = [(8, 6), (7, 5), (5,), (3, 7, 4), (1, 9)]
-    meshes = [((world,), ("a",))]
+    meshes = [init_device_mesh("cpu", (world,), mesh_dim_names=("a",))]      # built once: few process groups
     if world == 4:
-        meshes.append(((2, 2), ("a", "b")))
+        meshes.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")))
     for shape in shapes:
-        for mesh_shape, names in meshes:
-            mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-            options = [Replicate()] + [Shard(d) for d in range(len(shape))]
-            if len(mesh_shape) == 1:
+        options = [Replicate()] + [Shard(d) for d in range(len(shape))]
+        for mesh in meshes:
+            if mesh.ndim == 1:
                 for placement in options:
                     yield shape, mesh, (placement,)
             else:
