@@ -31,9 +31,8 @@ def test_a_deviation_beyond_the_tolerance_fails(tmp_path):
 
 
 def test_layouts_it_cannot_run_are_refused_before_anything_runs(tmp_path):
-    # the last three pass the cheap checks; the example's own checks (in the tool's process) refuse them
-    for layout, message in (("dp2-xx3", "'xx3' is not one of"), ("dp3-ep2", "ep2 must divide"),
-                            ("dp64", "needs 64 processes"),
+    # the cheap checks run in-process (test_bad_layouts_...); the example's own checks refuse the rest
+    for layout, message in (("dp64", "needs 64 processes"),
                             ("dp3", "layout 'dp3' cannot run: training.global_batch_size=8 is not divisible"),
                             ("tp3", "layout 'tp3' cannot run: dry run for 3 ranks: tp_size=3 does not divide"),
                             ("dp2-ep2 -- --training.no_such_flag=1", "no_such_flag")):
@@ -155,6 +154,8 @@ def test_nonsense_numbers_are_refused_in_one_line(tmp_path, capsys, args, messag
     (["dp1", "dp0"], "'dp0' must be >= 1"),
     (["dp1", "dp2-dp4"], "dp is given twice"),
     (["dp1", "dp2", "dp2"], "dp2 given more than once"),
+    (["dp1", "dp2-xx3"], "'xx3' is not one of"),
+    (["dp1", "dp3-ep2"], "ep2 must divide"),
 ])
 def test_bad_layouts_are_refused_in_one_line_before_anything_runs(tmp_path, capsys, layouts, message):
     out = tmp_path / "out"
