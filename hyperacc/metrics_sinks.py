@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import sys
+import time
 import warnings
 from typing import Callable, List, Literal, Optional
 

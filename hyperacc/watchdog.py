@@ -8,7 +8,9 @@ A blocked collective releases the GIL, so a rank that merely waits keeps beating
 or one whose Python is wedged, does not. When a collective times out, the ranks still alive read
 every heartbeat twice, ``2 x interval_s`` apart: the ranks whose count did not move are silent,
 and the line names them and the step. Comparing counts, not clocks, needs no clock agreement
-between nodes.
+between nodes. The beat also carries the phase the caller sets (``heartbeat.phase = "building the
+data"``, "prepare", "load_state", "the final save"; "training" by default), so a hang outside the
+loop names what this rank and each silent rank were doing.
 """
 from __future__ import annotations
 

@@ -8,10 +8,11 @@ this run. The states, and what each kind of run does in each:
 directory holds   fresh run (no restore)     resume (``restore_from`` = LATEST or a step in it)
 ================  =========================  =======================================================
 nothing           saves                      LATEST: starts fresh (warning); a path: refused
-checkpoints       refused before it trains:  restores step S (LATEST falls back past damaged
-                  resume it, or use another  steps to the newest that verifies); then, if it may
-                  checkpoint_dir             save, every step directory newer than S is set aside
-                                             (renamed, never deleted) and LATEST names S
+checkpoints       refused at its first step  restores step S (LATEST falls back past damaged
+                  (the example: before       steps to the newest that verifies); then, if it may
+                  anything is built): resume save, every complete step directory newer than S
+                  it, or use another         is set aside (renamed, never deleted) and LATEST
+                  checkpoint_dir             names S
 ================  =========================  =======================================================
 
 Setting aside renames ``global_step_<N>`` to ``global_step_<N>.damaged-<time>`` (a damaged step
@@ -19,10 +20,10 @@ LATEST skipped: kept for inspection, and step N is saved anew when training reac
 ``global_step_<N>.superseded-<time>`` (a complete step of the branch a resume from an older step
 abandons). Such names are not step directories: LATEST, resume and ``keep_last_n`` ignore them.
 An interrupted save (a step directory without ``.metadata``) is not a checkpoint: it stays, and is
-written over when training reaches its step. A resume from a checkpoint outside ``checkpoint_dir`` into a directory that holds checkpoints is a
-fresh run there, and refused the same way. A save then always finds its directory absent, or
-incomplete (an interrupted save, written over); finding a complete one is a broken invariant and
-an error, never a silent skip.
+written over when training reaches its step. A resume from a checkpoint outside ``checkpoint_dir``
+into a directory that holds checkpoints is a fresh run there, and refused the same way. A save
+then always finds its directory absent or incomplete; finding a complete one is a broken invariant
+and an error, never a silent skip.
 """
 from __future__ import annotations
 
