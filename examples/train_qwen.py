@@ -302,7 +302,8 @@ def run_job(cfg, tokenizer, acc):
                             max_steps=t.max_steps, initial_step=acc.progress.global_step,
                             group=acc.runtime.cpu_group, device_type=acc.runtime.device_type,
                             consumed_tokens=acc.progress.consumed_tokens,
-                            consumed_samples=acc.progress.consumed_samples, flush_on=(NonFiniteError, TokenIdError))
+                            consumed_samples=acc.progress.consumed_samples,
+                            flush_on=(NonFiniteError, TokenIdError, hyperacc.ReplicaMismatchError))
     cleanup = PeriodicCleanup(t.gc_steps, t.empty_cache_steps, acc.runtime.device_type)
     # Non-finite steps stop the job: checked on logging steps and before every save (validate: every step).
     checks = StepChecks(acc, validate=validate, check_every=log.logging_steps)
