@@ -121,14 +121,18 @@ class ReplicaGuard:
         if self._layout is None:
             models = self._models if self._models is not None else list(getattr(self.acc, "_models", []))
             world = dist.get_world_size(self.group) if dist.is_initialized() else 1
-            layout, seen = [], set()
+            layout, seen, identities = [], set(), {}
             for index, model in enumerate(models):
                 prefix = f"model{index}." if len(models) > 1 else ""
                 for name, param in model.named_parameters():
                     if id(param) in seen:
                         continue
                     seen.add(id(param))
-                    identity, label = _shard_identity(param, world)
+                    placement = (id(param.device_mesh), tuple(map(str, param.placements))) if isinstance(
+                        param, DTensor) else None         # parameters laid out alike share one identity map
+                    if placement not in identities:
+                        identities[placement] = _shard_identity(param, world)
+                    identity, label = identities[placement]
                     if len(set(identity.values())) == len(identity):
                         continue                     # every rank holds its own shard: nothing to compare
                     layout.append((prefix + _display_name(name), param, identity, label))
