@@ -147,7 +147,7 @@ def worker(steps: int, calls: int, out: str) -> None:
 
     record = {"times": times, "check_times": check_times, "checks_run": checks_run,
               "compared": len(layout), "compared_elements": sum(p.to_local().numel() if hasattr(p, "to_local")
-                                                                else p.numel() for _, p, _, _ in layout),
+                                                                else p.numel() for _, p, _ in layout),
               "all_params": sum(1 for _ in model.parameters()),
               "origin": origin, "detected": detected, "perturbed": perturbed, "message": message}
     rank = int(os.environ.get("RANK", 0))

@@ -70,15 +70,20 @@ def test_bf16_sr_does_not_depend_on_the_world_size_and_resumes_across_it(tmp_pat
     assert max_rel(_series(resumed, "grad_norm"), _series({"steps": tail}, "grad_norm")) <= 1e-5
 
 
-def test_the_guard_passes_agreeing_copies_and_finds_a_one_ulp_mismatch_at_its_next_check(tmp_path):
-    # checks every 2 steps: step 2 passes (the replicas agree); rank 1's copy of one replicated
-    # parameter then moves by one ulp after step 3, and the check of step 4 names it
-    record = _run(tmp_path, "guard", 2, "--precision", "bf16", "--replicate", 2, "--steps", 12,
-                  "--guard-every", 2, "--perturb", 3)
+@pytest.mark.parametrize("layout", [
+    ["--replicate", 2],                                                       # HSDP replicas
+    pytest.param(["--tp", 2, "--perturb-param", "model.layers.1.self_attn.k_norm.weight"],   # a norm every
+                 marks=pytest.mark.slow),                                     # TP rank keeps whole
+])
+def test_the_guard_passes_agreeing_copies_and_finds_a_one_ulp_mismatch_at_its_next_check(tmp_path, layout):
+    # checks every 2 steps: step 2 passes (the copies agree); rank 1's copy of one parameter then
+    # moves by one ulp after step 3, and the check of step 4 names it
+    record = _run(tmp_path, "guard", 2, "--precision", "bf16", "--steps", 12, "--guard-every", 2, "--perturb", 3,
+                  *layout)
     assert record["mismatch"]["step"] == 4 and sorted(record["steps"], key=int) == ["1", "2", "3", "4"], record
     error = record["mismatch"]["error"]
-    assert "differs between ranks 0 and 1" in error and "replicated over dp_replicate" in error
-    assert "model.embed_tokens.weight" in error and "\n" not in error
+    assert "differs between ranks 0 and 1" in error and "hold the same slice of it" in error and "\n" not in error
+    assert ("k_norm" if "--tp" in layout else "model.embed_tokens.weight") in error
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])

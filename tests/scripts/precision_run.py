@@ -33,10 +33,12 @@ def dtypes(tensors):
     return sorted({str(t.dtype).replace("torch.", "") for t in tensors})
 
 
-def perturb_one_ulp(model):
-    """Rank 1's copy of the first parameter replicated over dp_replicate moves by one ulp."""
-    for _, param in model.named_parameters():
-        if any(pl.is_replicate() for pl in getattr(param, "placements", ())):
+def perturb_one_ulp(model, name=None):
+    """Rank 1's copy of parameter ``name`` (default: the first one replicated over a mesh dimension)
+    moves by one ulp."""
+    for param_name, param in model.named_parameters():
+        replicated = any(pl.is_replicate() for pl in getattr(param, "placements", ()))
+        if param_name == name or (name is None and replicated):
             local = param.to_local().detach().view(-1)
             with torch.no_grad():
                 local[0] = torch.nextafter(local[0], local[0] + 1)
@@ -55,15 +57,18 @@ def main():
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--replicate", type=int, default=1, help="dp_replicate_size (HSDP)")
+    p.add_argument("--tp", type=int, default=1)
     p.add_argument("--guard-every", type=int, default=None, help="a hyperacc.ReplicaGuard checking every N steps")
     p.add_argument("--perturb", type=int, default=None, help="after this step, move one element of rank 1's "
                    "copy of the first replicated parameter by one ulp")
+    p.add_argument("--perturb-param", default=None, help="the parameter --perturb moves (default: the first "
+                   "one replicated over a mesh dimension)")
     p.add_argument("--dump", default=None, help="write each rank's local parameter shards to DIR/rank<R>.pt")
     args = p.parse_args()
 
     acc = hyperacc.Accelerator(
         fsdp=hyperacc.FSDPConfig(precision=args.precision),
-        parallel=hyperacc.ParallelConfig(ep_size=args.ep, dp_replicate_size=args.replicate),
+        parallel=hyperacc.ParallelConfig(ep_size=args.ep, dp_replicate_size=args.replicate, tp_size=args.tp),
         checkpoint=hyperacc.CheckpointConfig(checkpoint_dir=args.ckpt, save_steps=args.save_steps, save_epochs=0,
                                              restore_from=args.restore), seed=3)
     model = build_causal_lm(qwen3_moe_config(), meta_device=True, router_aux_loss=False)
@@ -90,7 +95,7 @@ def main():
             optimizer.zero_grad()
             record["steps"][acc.progress.global_step] = {"loss": acc.step_loss, "grad_norm": float(norm)}
             if args.perturb == acc.progress.global_step and acc.process_index == 1:
-                perturb_one_ulp(model)
+                perturb_one_ulp(model, args.perturb_param)
             if guard is not None:
                 try:
                     guard.maybe_check(acc.progress.global_step, loss=acc.step_loss)
