@@ -52,6 +52,7 @@ class AdamW(torch.optim.Optimizer):
         self.stochastic_rounding = stochastic_rounding
         self.seed = None if seed is None else int(seed)     # None: the Accelerator's seed at prepare
         self.param_names: Dict[int, str] = {}               # id(param) -> name, given at prepare
+        self._slice_positions: Dict[int, list] = {}         # id(param) -> its shard's global positions
 
     def follow_recipe(self, recipe, *, seed: Optional[int] = None, names: Optional[Dict[int, str]] = None) -> None:
         """Take the recipe's moment dtype and rounding, and the run's seed, for whatever the
@@ -79,6 +80,12 @@ class AdamW(torch.optim.Optimizer):
                     self._update(param, group, index)
         return loss
 
+    def _positions(self, param: torch.Tensor) -> list:
+        """`rounding.dim_positions` of ``param``, derived once: a parameter's layout never changes."""
+        if id(param) not in self._slice_positions:
+            self._slice_positions[id(param)] = dim_positions(param)
+        return self._slice_positions[id(param)]
+
     def _new_state(self, param: torch.Tensor) -> dict:
         dtype = self.state_dtype or torch.float32
         return {"step": torch.tensor(0.0, dtype=torch.float32),
@@ -94,7 +101,7 @@ class AdamW(torch.optim.Optimizer):
         tensors = [_local(param), _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"])]
         rounded = self.stochastic_rounding and tensors[0].dtype == torch.bfloat16
         key = rounding_key(self.seed or 0, int(step), self.param_names.get(id(param), f"#{index}")) if rounded else None
-        positions = dim_positions(param) if key is not None else None    # once per parameter
+        positions = self._positions(param) if key is not None else None
         start = 0
         for pieces in _chunks(tensors):
             noise = None
