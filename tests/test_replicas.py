@@ -86,7 +86,8 @@ def test_the_guard_passes_agreeing_copies_and_finds_a_one_ulp_mismatch_at_its_ne
     assert ("k_norm" if "--tp" in layout else "model.embed_tokens.weight") in error
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow     # its torchrun aborted twice at gloo teardown under load (after passing): make test-all
+@pytest.mark.parametrize("world", [2, 4])
 def test_element_indices_match_torchs_own_sharding(tmp_path, world):
     # the oracle: distribute_tensor(arange(numel)) puts each element's global index where it lives
     out = tmp_path / "indices.json"
