@@ -25,7 +25,8 @@ setup(
         "xxhash>=3.0",
     ],
     extras_require={
-        "test": ["pytest>=7", "megatron-core==0.16.1"],
+        "test": ["pytest>=7", "megatron-core==0.16.1", "peft>=0.21,<0.22"],
+        "peft": ["peft>=0.21"],
         "npu": ["torch-npu"],
         "tensorboard": ["tensorboard"],
         "plot": ["matplotlib"],

@@ -25,7 +25,8 @@ from hyperacc.launch_env import env_value
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
 from hyperacc.mesh import build_mesh
 from hyperacc.progress import Progress
-from hyperacc.sharding import broadcast_from_rank0, rank0_only_weights_expected, reshard, shard_model
+from hyperacc.model_setup import shard_and_fill
+from hyperacc.sharding import reshard
 from hyperacc.wrappers import ParameterMap, PreparedScheduler, rebind_optimizer
 
 DEFAULT_SEED = 42
@@ -153,12 +154,8 @@ class Accelerator(accelerate.Accelerator):
                              "and keep using the object it returned.")
         parallel.check_model(model, self._mesh.parallel)      # before any collective
         aux_mode = router_aux.check_mode(model, self._router_aux_mode)
-        if self.num_processes > 1 and rank0_only_weights_expected():
-            broadcast_from_rank0(model, self.device)
-        originals = dict(model.named_parameters())
-        pretrained = weights.source_of(model)     # load_pretrained(..., accelerator=): files fill the shards
-        shard_model(model, self._mesh, self.fsdp_config, self.device, self.seed, initialize=pretrained is None)
-        weights.fill_shards(model, pretrained)      # each rank reads its own slices; no-op without files
+        originals = shard_and_fill(model, mesh=self._mesh, fsdp_config=self.fsdp_config, device=self.device,
+                                   seed=self.seed, num_processes=self.num_processes)
         router_aux.install(model, aux_mode, self.accumulator.aux_weights)
         self._params.record(model, originals)
         self._models.append(model)

@@ -161,7 +161,7 @@ class CheckpointConfig:
     save_steps: Optional[int] = unset(0)
     save_epochs: Optional[int] = unset(1)
     is_async: Optional[bool] = unset(False)
-    is_peft: Optional[bool] = unset(False)
+    is_peft: Optional[bool] = unset(None)       # None: detected (a peft.PeftModel saves its trainable tensors only)
     save_optimizer: Optional[bool] = unset(True)
     save_train_state: Optional[bool] = unset(True)
     save_extra_state_per_rank: Optional[bool] = unset(True)
@@ -173,6 +173,8 @@ class CheckpointConfig:
 
     def __post_init__(self):
         resolve(self, prefix="HYPERACC_CHECKPOINT_")
+        if isinstance(self.is_peft, str):       # from the environment: a word, or empty for "detect"
+            self.is_peft = _from_env(self.is_peft, False) if self.is_peft.strip() else None
         if self.save_consolidated not in SAVE_CONSOLIDATED_CHOICES:
             raise ValueError(f"CheckpointConfig.save_consolidated={self.save_consolidated!r} must be "
                              f"one of {SAVE_CONSOLIDATED_CHOICES}.")

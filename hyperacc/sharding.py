@@ -47,10 +47,18 @@ def enable_recompute(blocks: Iterable[nn.Module]) -> None:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
-def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+def cast_parameters(model: nn.Module, dtype: torch.dtype, *, keep_frozen: bool = False) -> None:
     """Store every floating-point parameter in ``dtype``, in place (ties and identities kept; buffers
-    such as RoPE frequencies keep their own dtype). Works on the meta device."""
+    such as RoPE frequencies keep their own dtype). Works on the meta device.
+
+    ``keep_frozen`` (PEFT models): frozen parameters keep their stored dtype. They get no gradient and
+    no optimizer state, so a bf16 base under LoRA stays bf16 under the fp32_master recipe instead of
+    doubling in size; FSDP2 needs only a unit's trainable parameters to share a dtype, and PEFT's
+    layers cast between adapter and base dtypes. (A plain model is cast whole: its layers expect one
+    dtype.)"""
     for param in model.parameters():
+        if keep_frozen and not param.requires_grad:
+            continue
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
 
@@ -106,7 +114,9 @@ def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device
     on_meta = any(p.is_meta for p in model.parameters())
     if not on_meta:
         model.to(device)
-    cast_parameters(model, get_recipe(config.precision).param_dtype)
+    from hyperacc.integrations.peft import is_peft_model
+
+    cast_parameters(model, get_recipe(config.precision).param_dtype, keep_frozen=is_peft_model(model))
     kwargs = _policies(config, device.type)
     scalars = scalar_parameters(model)      # fully_shard refuses 0-d parameters: kept whole (replicated)
     if scalars and info is not None and info.parallel.tp_size > 1:

@@ -68,6 +68,16 @@ def optimizer_owner(models: List[nn.Module], index: int, n_optimizers: int) -> n
     return nn.ModuleList(models)
 
 
+def adapters_only(cfg, models) -> bool:
+    """Save and restore trainable tensors only: ``CheckpointConfig.is_peft`` when set, else whether
+    a model is a `peft.PeftModel` (its frozen base comes back from its own source, not the checkpoint)."""
+    if cfg.is_peft is not None:
+        return bool(cfg.is_peft)
+    from hyperacc.integrations.peft import is_peft_model
+
+    return any(is_peft_model(m) for m in models)
+
+
 def model_state(model: nn.Module, *, trainable_only: bool = False) -> dict:
     reshard(model)
     return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))

@@ -144,9 +144,9 @@ class Checkpointer:
         timings = {"prepare_dir": time.perf_counter() - start}
         models = buckets.as_list(state.models)
         optimizers = buckets.as_list(state.optimizers) if cfg.save_optimizer else []
-        payload = {}
+        payload, peft = {}, buckets.adapters_only(cfg, models)
         for i, model in enumerate(models):
-            payload[buckets.model_key(i)] = buckets.model_state(model, trainable_only=cfg.is_peft)
+            payload[buckets.model_key(i)] = buckets.model_state(model, trainable_only=peft)
         for i, optimizer in enumerate(optimizers):
             owner = buckets.optimizer_owner(models, i, len(optimizers))
             payload[buckets.optimizer_key(i)] = optim_state.optimizer_state(owner, optimizer)
@@ -182,7 +182,7 @@ class Checkpointer:
                     "models": len(models), "optimizers": len(optimizers),
                     "schedulers": len(buckets.as_list(state.schedulers)) if layout != "none" else 0,
                     "world_size": _comm.world_size(), "dp_size": int(state.dp_size),
-                    "peft": bool(cfg.is_peft), "seed": int(state.seed), "precision": state.precision})
+                    "peft": peft, "seed": int(state.seed), "precision": state.precision})
             return digests
 
         digests = _comm.run_on_every_rank(write_own_files, self.cpu_group)   # one rank failing stops all
@@ -233,14 +233,15 @@ class Checkpointer:
         optimizers = buckets.as_list(state.optimizers) if cfg.restore_optimizer else []
         owners = [buckets.optimizer_owner(models, i, len(optimizers)) for i in range(len(optimizers))]
         live_groups = [optim_state.group_names(o, opt) for o, opt in zip(owners, optimizers)]
-        templates = [buckets.model_state(m) for m in models]
+        peft = buckets.adapters_only(cfg, models)
+        templates = [buckets.model_state(m, trainable_only=peft) for m in models]
         model_keys = [[f"{buckets.model_key(i)}.{k}" for k in t] for i, t in enumerate(templates)]
         path = self._trusted_checkpoint(source)
         clock.lap("verify")
         if path is None:
             return None
         plan = _comm.decide_on_rank0(
-            lambda: restore.plan_load(cfg, path, model_keys, live_groups, state), self.cpu_group)
+            lambda: restore.plan_load(cfg, path, model_keys, live_groups, state, adapters_only=peft), self.cpu_group)
         clock.lap("plan")
 
         payload = {buckets.model_key(i): t for i, t in enumerate(templates)}
@@ -250,13 +251,13 @@ class Checkpointer:
                 owners[i], optimizers[i], plan["optim"][i]["structure"])
         if plan["layout"] == "embedded" and cfg.restore_train_state:
             payload[storage.EMBEDDED_EXTRA_KEY] = torch.empty(plan["embedded_numel"], dtype=torch.uint8)
-        strict = () if cfg.is_peft else tuple(f"{buckets.model_key(i)}." for i in range(len(models)))
+        strict = tuple(f"{buckets.model_key(i)}." for i in range(len(models)))    # (PEFT: the trainable keys)
         clock.lap("state_dicts")
         storage.dcp_load(payload, path, strict_prefixes=strict, process_group=self.cpu_group)
         clock.lap("dcp")
 
         for i, model in enumerate(models):
-            buckets.restore_model(model, payload[buckets.model_key(i)], strict=not cfg.is_peft)
+            buckets.restore_model(model, payload[buckets.model_key(i)], strict=not peft)
         for i in range(n_opt):
             optim_state.apply(owners[i], optimizers[i], payload[buckets.optimizer_key(i)], plan["optim"][i]["groups"])
 

@@ -62,17 +62,29 @@ def verify(path: str, enabled: bool, group=None) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- the load plan
-def plan_load(cfg, path: str, model_keys, live_groups: List[List[List[str]]], state) -> dict:
+def _mismatch_hint(sentinel: dict, adapters_only: bool) -> str:
+    saved_peft = sentinel.get("peft")
+    if saved_peft and not adapters_only:
+        return ("the checkpoint holds the trainable tensors of a PEFT run only: wrap the model with the same "
+                "PEFT config before prepare(), or set is_peft=True for a model whose frozen part comes from elsewhere")
+    if saved_peft is False and adapters_only:
+        return ("the checkpoint holds a full model, not adapters: a PEFT run resumes from its own checkpoints; "
+                "start adapters from a full model by loading its weights (hyperacc.models.load_pretrained)")
+    return "the model does not match the checkpoint: another architecture, config or adapter configuration"
+
+
+
+def plan_load(cfg, path: str, model_keys, live_groups: List[List[List[str]]], state, *,
+              adapters_only: bool = False) -> dict:
     """Rank 0: check everything that could fail, before any collective. ``live_groups``: per
-    optimizer to restore, its param groups' parameter names."""
+    optimizer to restore, its param groups' parameter names. ``model_keys``: what must be there
+    (``adapters_only``: the trainable tensors)."""
     sentinel = storage.read_sentinel(path) or {}
     available = storage.read_dcp_metadata(path).state_dict_metadata
-    if not cfg.is_peft:
-        missing = [k for keys in model_keys for k in keys if k not in available]
-        if missing:
-            raise RuntimeError(f"missing model key(s) in checkpoint {path}: {missing[:8]}"
-                               f"{' ...' if len(missing) > 8 else ''} (the model does not match the "
-                               "checkpoint; set is_peft=True only for adapter checkpoints).")
+    missing = [k for keys in model_keys for k in keys if k not in available]
+    if missing:
+        raise RuntimeError(f"missing model key(s) in checkpoint {path}: {missing[:8]}"
+                           f"{' ...' if len(missing) > 8 else ''} ({_mismatch_hint(sentinel, adapters_only)}).")
     if sentinel.get("contents") == "model":
         # A model-only checkpoint (`convert from-hf`): where a run starts, not where one resumes.
         logger.info("%s holds weights only: optimizer, schedule, loader and progress start fresh.", path)

@@ -18,6 +18,9 @@ __all__ = ["check_model", "group_by_mesh", "parallelize", "set_expert_gradient_r
 
 def check_model(model: nn.Module, parallel: ParallelConfig) -> None:
     """Every model-dependent check of the parallel sizes; raises before any collective."""
+    from hyperacc.integrations.peft import check_layout
+
+    check_layout(model, parallel.tp_size, parallel.ep_size)     # PEFT adapters: FSDP/HSDP only
     check_tensor_parallel(model, parallel.tp_size)
     check_expert_parallel(model, parallel.ep_size)
     check_context_parallel(model, parallel.cp_size, parallel.tp_size)

@@ -11,9 +11,10 @@ the result loads with `from_pretrained` (and vLLM and every other reader of HF c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,16 @@ from hyperacc.weights.load import model_class
 from hyperacc.weights.writer import Entry, RankWriter, plan_files, write_index
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Computed:
+    """A tensor an export computes when its turn comes (on every rank, in the same order: computing
+    may gather), e.g. a weight with its adapters merged in."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    compute: Callable[[], torch.Tensor]
 
 
 def export_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
@@ -68,10 +79,12 @@ def write_metadata(directory: str, config, generation_config=None) -> None:
 
 
 def export_sharded(model: nn.Module, out_dir: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                   group=None, into_existing: bool = False) -> str:
+                   group=None, into_existing: bool = False, tensors=None) -> str:
     """Collective: every rank calls it; the files appear in ``out_dir`` all at once. Refuses an
     ``out_dir`` that holds files (``into_existing=True``: one that holds no weights, e.g. a
-    tokenizer; the weights are moved in, index last). Returns ``out_dir``."""
+    tokenizer; the weights are moved in, index last). ``tensors``: (key, tensor or `Computed`) to
+    write instead of the model's own (`export_tensors`); ``model`` still gives the config.
+    Returns ``out_dir``."""
     from hyperacc.sharding import reshard
 
     reshard(model)      # an eval forward leaves units unsharded: read the shards
@@ -79,12 +92,12 @@ def export_sharded(model: nn.Module, out_dir: str, *, max_shard_bytes: int = DEF
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     tmp = _agree(lambda: _start(out_dir, into_existing), group)
-    tensors = export_tensors(model)
+    tensors = export_tensors(model) if tensors is None else tensors
     files = plan_files(entry_groups(tensors), world, max_shard_bytes)
     writer = RankWriter(tmp, files, rank)
     error = None
     for name, tensor in tensors:
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor     # collective for a DTensor
+        full = _full(tensor)                                    # collective for a DTensor
         pieces = layout.export_pieces(name, tuple(tensor.shape))
         if error is None and writer.owns(pieces[0].key):
             try:
@@ -103,15 +116,25 @@ def export_sharded(model: nn.Module, out_dir: str, *, max_shard_bytes: int = DEF
     return _agree(lambda: _finish(tmp, out_dir, files, hf_config(model, dtype), gen, into_existing), group)
 
 
+def _full(tensor) -> torch.Tensor:
+    if isinstance(tensor, Computed):
+        return tensor.compute()
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def save_model_sharded(model: nn.Module, save_directory: str, max_shard_size="10GB", safe_serialization: bool = True,
                        *, group=None) -> str:
     """`Accelerator.save_model`: accelerate's arguments, but every rank writes in parallel
-    (accelerate gathers the whole model on rank 0). ``save_directory`` may already hold other
-    files (a tokenizer) but no weights."""
+    (accelerate gathers the whole model on rank 0); a PEFT model's adapters in PEFT's format.
+    ``save_directory`` may already hold other files (a tokenizer) but no weights."""
     from accelerate.utils import convert_file_size_to_int
+
+    from hyperacc.integrations import peft
 
     if not safe_serialization:
         raise ValueError("save_model(safe_serialization=False): hyperacc writes safetensors only; drop the argument.")
+    if peft.is_peft_model(model):     # what PeftModel.save_pretrained writes: the adapters, PEFT's format
+        return peft.export_adapter(model, save_directory, group=group, into_existing=True)
     return export_sharded(model, save_directory, max_shard_bytes=convert_file_size_to_int(max_shard_size),
                           group=group, into_existing=True)
 

@@ -59,16 +59,29 @@ def build_for_sharded_load(path_or_id: str, *, dtype=None, attn_implementation: 
 
 
 # --------------------------------------------------------------------------- plan
+def checkpoint_keys(model: nn.Module) -> Dict[str, Optional[str]]:
+    """Tensor name -> its name in the base model's checkpoint (None: a PEFT adapter's own tensor,
+    initialised by PEFT, not read). The identity for any model but a PEFT one."""
+    from hyperacc.integrations import peft
+
+    if peft.is_peft_model(model):
+        return peft.base_names(model)
+    return {n: n for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+
+
 def plan(model: nn.Module, files: WeightFiles) -> Dict[str, List[layout.Piece]]:
     """Tensor name -> the checkpoint pieces that tile it, for every parameter and persistent buffer;
     raises one WeightsError naming the first missing, unexpected or mis-shaped key."""
     tensors = dict(model.named_parameters())
     non_persistent = _non_persistent(model)
     tensors.update({n: b for n, b in model.named_buffers() if n not in non_persistent})
+    keys = checkpoint_keys(model)
     out, missing = {}, []
     for name, tensor in tensors.items():
+        if keys.get(name, name) is None:
+            continue
         try:
-            out[name] = layout.load_pieces(name, tuple(tensor.shape), files.shape)
+            out[name] = layout.load_pieces(keys.get(name, name), tuple(tensor.shape), files.shape)
         except KeyError as err:
             missing.append((name, err.args[0]))
         except ValueError as err:
@@ -81,7 +94,7 @@ def plan(model: nn.Module, files: WeightFiles) -> Dict[str, List[layout.Piece]]:
                            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; it is not a {arch} "
                            "checkpoint of this config (another architecture?), or its files are incomplete.")
     used = {piece.key for pieces in out.values() for piece in pieces}
-    tied = layout.aliases(model)
+    tied = {keys.get(n) or n for n in layout.aliases(model)}
     unexpected = [k for k in files.entries if k not in used and k not in tied and not layout.ignorable(k, model)]
     if unexpected:
         raise WeightsError(f"{files.directory}: key {unexpected[0]!r} in the checkpoint matches no parameter of "
@@ -112,8 +125,8 @@ def fill_shards(model: nn.Module, source: Optional[WeightsSource] = None) -> dic
             read += _fill(tensors[name], name, tensor_pieces, files)
     finally:
         files.close()
-    if hasattr(model, SOURCE_ATTR):
-        delattr(model, SOURCE_ATTR)     # loaded: a second prepare must not load again
+    for module in model.modules():     # loaded: a second prepare must not load again
+        module.__dict__.pop(SOURCE_ATTR, None)      # (on the base model inside a PEFT wrapper)
     stats = {"seconds": time.perf_counter() - start, "bytes_read": read}
     logger.info("loaded %s into shards: %.1f MiB read in %.2f s", source.directory, read / 2**20, stats["seconds"])
     return stats

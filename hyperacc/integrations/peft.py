@@ -1,0 +1,405 @@
+"""PEFT adapters (LoRA and the other tuners of the `peft` library) under FSDP2.
+
+What a PEFT model needs beyond any other model, and why:
+
+- **Names.** PEFT nests the base model under ``base_model.model.`` and a wrapped layer's own
+  weight under ``.base_layer`` (``modules_to_save`` keep ``.original_module`` plus a trainable copy per
+  adapter). Pretrained base weights are read from files that know none of this: `base_names` maps each
+  tensor back to its checkpoint key, and says which tensors are the adapters' own (no file holds them).
+- **Adapter initialisation.** A model built on the meta device has meta adapters too (PEFT moves
+  them to its base layer's device), and the base model's ``_init_weights`` would initialise them as
+  ordinary layers (LoRA's B no longer zero: step 1 no longer starts from the base model).
+  `initial_adapter_values` runs PEFT's own injection, layer by layer, on a full-size host copy of each
+  adapted base layer, seeded by (seed, layer name): PEFT's initialisation, the same on every rank and
+  at every world size, for every tuner `inject_adapter_in_model` supports.
+- **Exports** in PEFT's own format (`export_adapter`, loadable by ``PeftModel.from_pretrained``) and
+  merged into the base (`export_merged`, a plain Hugging Face checkpoint), one gathered tensor at a time.
+
+`peft` is imported only when a PEFT model is seen: it is an optional extra (``pip install hyperacc[peft]``).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import sys
+import zlib
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """True for a `peft.PeftModel` (checked without importing peft when nothing imported it)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def _tuner_classes():
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    return BaseTunerLayer, AuxiliaryTrainingWrapper
+
+
+def base_prefix(model: nn.Module) -> str:
+    """Where the base (Hugging Face) model sits inside the PEFT model, e.g. ``"base_model.model."``."""
+    base = model.get_base_model()
+    for name, module in model.named_modules():
+        if module is base:
+            return f"{name}." if name else ""
+    raise ValueError("the PEFT model does not contain its own base model")
+
+
+def tuner_layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(name, layer) of every adapted layer (a PEFT `BaseTunerLayer`), in model order."""
+    tuner, _ = _tuner_classes()
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, tuner)]
+
+
+def base_names(model: nn.Module) -> Dict[str, Optional[str]]:
+    """Every parameter and buffer name of the PEFT model -> its key in the base model's checkpoint,
+    or None for an adapter's own tensor (which no base checkpoint holds).
+
+    ``q_proj.base_layer.weight`` -> ``q_proj.weight``; ``lm_head.original_module.weight`` and
+    ``lm_head.modules_to_save.<adapter>.weight`` -> ``lm_head.weight`` (the copy starts as the original)."""
+    tuner, wrapper = _tuner_classes()
+    prefix = base_prefix(model)
+    kinds = {name: module for name, module in model.named_modules() if isinstance(module, (tuner, wrapper))}
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    out = {}
+    for name in names:
+        key = name
+        for owner in sorted((o for o in kinds if name.startswith(f"{o}.")), key=len, reverse=True):
+            key = _strip_owner(key, owner, kinds[owner], wrapper)
+            if key is None:
+                break
+        out[name] = None if key is None else key[len(prefix):] if key.startswith(prefix) else key
+    return out
+
+
+def _strip_owner(key: str, owner: str, module: nn.Module, wrapper) -> Optional[str]:
+    rest = key[len(owner) + 1:]
+    if isinstance(module, wrapper):
+        if rest.startswith("original_module."):
+            return f"{owner}.{rest[len('original_module.'):]}"
+        if rest.startswith("modules_to_save."):
+            return f"{owner}.{rest.split('.', 2)[2]}"
+        return None          # e.g. trainable token deltas
+    if rest.startswith("base_layer."):
+        return f"{owner}.{rest[len('base_layer.'):]}"
+    return None          # an adapter's own tensor (lora_A, lora_B, ...)
+
+
+def adapter_names(model: nn.Module) -> List[str]:
+    return [n for n, key in base_names(model).items() if key is None]
+
+
+# --------------------------------------------------------------------------- checks before any collective
+def check_layout(model: nn.Module, tp_size: int, ep_size: int) -> None:
+    """Adapters are refused under tensor and expert parallelism, in one line (their exactness there is
+    not proven: a LoRA A of a column-parallel layer is replicated, its B sharded, PEFT's own TP
+    support assumes another mesh)."""
+    if not is_peft_model(model):
+        return
+    for size, what in ((tp_size, "tp_size"), (ep_size, "ep_size")):
+        if size > 1:
+            raise NotImplementedError(
+                f"PEFT adapters with {what}={size} are not supported by hyperacc (their gradients and exports under "
+                f"{'tensor' if what == 'tp_size' else 'expert'} parallelism are not proven exact). Fix: {what}=1 "
+                "(FSDP / HSDP shard adapters and base alike), or fine-tune without PEFT.")
+
+
+# --------------------------------------------------------------------------- adapter initialisation
+def _module_seed(seed: int, name: str) -> int:
+    return zlib.crc32(f"peft:{seed}:{name}".encode()) & 0x7FFFFFFF
+
+
+def _holder(path: str, leaf: nn.Module) -> nn.Module:
+    """A tree of empty modules with ``leaf`` at ``path``, so that PEFT's name matching (target_modules,
+    layers_to_transform, rank_pattern ...) sees the same name it saw in the real model."""
+    root = parent = nn.Module()
+    parts = path.split(".")
+    for part in parts[:-1]:
+        child = nn.Module()
+        parent.add_module(part, child)
+        parent = child
+    parent.add_module(parts[-1], leaf)
+    return root
+
+
+def _injectable_config(config):
+    config = copy.deepcopy(config)
+    for field in ("modules_to_save", "trainable_token_indices"):
+        if hasattr(config, field):
+            setattr(config, field, None)    # handled on the real model (copies of base weights)
+    return config
+
+
+def _refuse_weight_dependent_init(config, adapter: str) -> None:
+    init = getattr(config, "init_lora_weights", True)
+    if not isinstance(init, bool) and str(init).lower() != "gaussian":
+        raise ValueError(f"adapter {adapter!r}: init_lora_weights={init!r} is computed from the base weights, which a "
+                         "model on the meta device does not have yet. Fix: build the PEFT model on a real device "
+                         "(load the base with accelerator=None), or use init_lora_weights=True/'gaussian'.")
+
+
+def initial_adapter_values(model: nn.Module, seed: int) -> Dict[str, torch.Tensor]:
+    """Full-size host values, by parameter name, of every adapter tensor now on the meta device,
+    as PEFT initialises them (see the module docstring); {} when there is none."""
+    if not is_peft_model(model):
+        return {}
+    from peft import inject_adapter_in_model
+
+    prefix = base_prefix(model)
+    values = {}
+    for name, layer in tuner_layers(model):
+        own = _own_tensors(layer)
+        if not any(t.is_meta for t in own.values()):
+            continue
+        for adapter in _layer_adapters(layer):
+            config = model.peft_config[adapter]
+            _refuse_weight_dependent_init(config, adapter)
+            base = copy.deepcopy(layer.get_base_layer()).to_empty(device="cpu").float()
+            with torch.no_grad():
+                for tensor in list(base.parameters()) + list(base.buffers()):
+                    tensor.zero_()
+            path = name[len(prefix):] if name.startswith(prefix) else name
+            holder = _holder(path, base)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_module_seed(seed, f"{name}:{adapter}"))
+                inject_adapter_in_model(_injectable_config(config), holder, adapter_name=adapter)
+            made = _own_tensors(holder.get_submodule(path))
+            for key, tensor in own.items():
+                if tensor.is_meta and key in made and f".{adapter}" in f".{key}":
+                    values[f"{name}.{key}"] = made[key].detach().to(torch.float32)
+    missing = [n for n, p in model.named_parameters() if p.is_meta and base_names(model).get(n, "") is None
+               and n not in values]
+    if missing:
+        raise ValueError(f"{missing[0]} (and {len(missing) - 1} more) is an adapter tensor on the meta device that "
+                         "PEFT's inject_adapter_in_model cannot recreate (a tuner with shared state, or prompt "
+                         "learning). Fix: build the PEFT model on a real device (accelerator=None).")
+    return values
+
+
+def _layer_adapters(layer) -> List[str]:
+    names = set()
+    for attr in tuple(layer.adapter_layer_names) + tuple(layer.other_param_names):
+        value = getattr(layer, attr, None)
+        if hasattr(value, "keys"):
+            names.update(value.keys())
+    return sorted(names)
+
+
+def _own_tensors(layer: nn.Module) -> Dict[str, torch.Tensor]:
+    """A tuner layer's adapter parameters and buffers (everything but its base layer's), by relative name."""
+    out = {}
+    for key, tensor in list(layer.named_parameters()) + list(layer.named_buffers()):
+        if not key.startswith("base_layer."):
+            out[key] = tensor
+    return out
+
+
+@torch.no_grad()
+def write_values(model: nn.Module, values: Dict[str, torch.Tensor]) -> None:
+    """Copy full-size ``values`` into the (sharded) tensors of those names; each rank keeps its slice."""
+    from hyperacc.sharding import _copy_into
+
+    if not values:
+        return
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    for name, value in values.items():
+        _copy_into(tensors[name], value.to(tensors[name].dtype))
+
+
+@torch.no_grad()
+def copy_modules_to_save(model: nn.Module) -> None:
+    """After random initialisation of a meta-device PEFT model: each trainable copy of a
+    ``modules_to_save`` module starts as the original, as PEFT makes it."""
+    if not is_peft_model(model):
+        return
+    _, wrapper = _tuner_classes()
+    for module in model.modules():
+        if not isinstance(module, wrapper) or not hasattr(module, "modules_to_save"):
+            continue
+        originals = dict(module.original_module.named_parameters())
+        for copy_module in module.modules_to_save.values():
+            for key, tensor in copy_module.named_parameters():
+                source = originals[key]
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                local.copy_(source.to_local() if isinstance(source, DTensor) else source)
+
+
+def _first_float(module: nn.Module) -> Optional[torch.dtype]:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+
+def _cast(value, dtype):
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and dtype is not None:
+        return value.to(dtype)
+    if isinstance(value, tuple):
+        return tuple(_cast(v, dtype) for v in value)
+    return value
+
+
+def _inputs_to_own_dtype(module, args, kwargs):
+    """Before a trainable copy runs: its inputs in the dtype it computes in (read at call time, so
+    FSDP's mixed-precision parameters count)."""
+    dtype = _first_float(module)
+    return _cast(args, dtype), {k: _cast(v, dtype) for k, v in kwargs.items()}
+
+
+def match_copy_dtypes(model: nn.Module) -> None:
+    """A ``modules_to_save`` copy stored in the recipe's dtype (fp32 master weights) beside a frozen
+    bf16 base: its inputs are cast to its own dtype and its output back to the original module's,
+    as PEFT's adapters do, so the layers around it see the dtype they expect."""
+    if not is_peft_model(model):
+        return
+    _, wrapper = _tuner_classes()
+    for module in model.modules():
+        if not isinstance(module, wrapper) or not hasattr(module, "modules_to_save"):
+            continue
+        base_dtype = _first_float(module.original_module)
+        for copy_module in module.modules_to_save.values():
+            if _first_float(copy_module) in (None, base_dtype):
+                continue
+            copy_module.register_forward_pre_hook(_inputs_to_own_dtype, with_kwargs=True)
+            copy_module.register_forward_hook(
+                lambda mod, args, output, original=module.original_module: _cast(output, _first_float(original)))
+
+
+# --------------------------------------------------------------------------- exports
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """Collective for a DTensor: every rank must call it in the same order."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Full-size host copies of every adapter tensor and ``modules_to_save`` copy (collective)."""
+    from hyperacc.sharding import reshard
+
+    reshard(model)
+    keep = {n for n, key in base_names(model).items() if key is None or ".modules_to_save." in n}
+    out = {}
+    for name, tensor in model.named_parameters():
+        if name in keep:
+            out[name] = _full(tensor.detach()).cpu()
+    return out
+
+
+def export_adapter(model: nn.Module, out_dir: str, *, group=None, into_existing: bool = False) -> str:
+    """Collective: the adapters in PEFT's own format (``adapter_model.safetensors`` +
+    ``adapter_config.json``, written by rank 0 through ``PeftModel.save_pretrained``), moved into
+    ``out_dir`` only when complete. Refuses an ``out_dir`` that holds files (``into_existing=True``:
+    one without adapter files, e.g. a tokenizer; a README there is kept). Returns ``out_dir``."""
+    from hyperacc.weights.export import _agree, _start
+
+    out_dir = os.path.abspath(out_dir)
+    tmp = _agree(lambda: _start(out_dir, into_existing), group)
+    state = adapter_state_dict(model)         # every rank joins the gathers
+
+    def write():
+        model.save_pretrained(tmp, state_dict=state, is_main_process=True)
+        os.makedirs(out_dir, exist_ok=True)
+        present = set(os.listdir(out_dir))
+        clash = [n for n in os.listdir(tmp) if n in present and n != "README.md"]
+        if clash:
+            raise FileExistsError(f"{out_dir} already holds {clash[0]}; hyperacc never writes over an export: "
+                                  "export to a new directory or remove it.")
+        for name in sorted(os.listdir(tmp), key=lambda n: n == ADAPTER_WEIGHTS_FILE):     # weights last
+            if name not in present:
+                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+        shutil.rmtree(tmp)
+        return out_dir
+
+    return _agree(write, group)
+
+
+@contextlib.contextmanager
+def _full_adapters(layer: nn.Module) -> Iterator[None]:
+    """Within: the layer's adapter parameters are plain full-size tensors (PEFT's own
+    ``get_delta_weight`` then works on them); restored after. Collective (every rank, same order)."""
+    swapped = []
+    for key, _ in _own_tensors(layer).items():
+        owner_name, _, attr = key.rpartition(".")
+        owner = layer.get_submodule(owner_name) if owner_name else layer
+        if attr in owner._parameters:
+            original = owner._parameters[attr]
+            owner._parameters[attr] = nn.Parameter(_full(original.detach()), requires_grad=False)
+            swapped.append((owner, attr, original))
+    try:
+        yield
+    finally:
+        for owner, attr, original in swapped:
+            owner._parameters[attr] = original
+
+
+def _check_mergeable(model: nn.Module) -> None:
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lycoris_utils import LycorisLayer
+
+    for name, layer in tuner_layers(model):
+        if not isinstance(layer, (LoraLayer, LycorisLayer)):
+            raise NotImplementedError(f"{name}: merging {type(layer).__name__} adapters is not supported by the sharded "
+                                      "merged export (LoRA, LoHa and LoKr are). Fix: export the adapter "
+                                      "(export_adapter) and merge it with PEFT's merge_and_unload.")
+        if any(getattr(layer, "use_dora", {}).get(a, False) for a in layer.active_adapters):
+            raise NotImplementedError(f"{name}: DoRA adapters are not merged by the sharded export (their merge "
+                                      "rescales each weight column). Fix: export the adapter and merge it with "
+                                      "PEFT's merge_and_unload.")
+
+
+def merged_tensors(model: nn.Module):
+    """(base checkpoint key, tensor or `Computed`) of the base model with the active adapters folded
+    in: W + delta(adapters), computed in fp32 and stored in W's dtype (as PEFT's merge does)."""
+    from hyperacc.weights.export import Computed, export_tensors
+
+    _check_mergeable(model)
+    names = base_names(model)
+    _, wrapper = _tuner_classes()
+    trained_copies = {}
+    for owner, module in model.named_modules():
+        if isinstance(module, wrapper) and hasattr(module, "modules_to_save"):
+            active = [a for a in module.modules_to_save if a in module.active_adapters]
+            if active:
+                trained_copies[owner] = f"{owner}.modules_to_save.{active[0]}."
+    layers = {f"{name}.base_layer.weight": layer for name, layer in tuner_layers(model)}
+    out = []
+    for name, tensor in export_tensors(model):
+        key = names.get(name)
+        if key is None:
+            continue
+        owner = next((o for o in trained_copies if name.startswith(f"{o}.")), None)
+        if owner is not None and not name.startswith(trained_copies[owner]):
+            continue            # the original of a modules_to_save copy: the trained copy is exported
+        layer = layers.get(name)
+        out.append((key, tensor if layer is None else Computed(tensor.shape, tensor.dtype, _merge(tensor, layer))))
+    return out
+
+
+def _merge(weight: torch.Tensor, layer: nn.Module):
+    def compute() -> torch.Tensor:
+        full = _full(weight.detach()).float()
+        with _full_adapters(layer), torch.no_grad():
+            for adapter in layer.active_adapters:
+                if adapter in _layer_adapters(layer):
+                    full = full + layer.get_delta_weight(adapter).float()
+        return full.to(weight.dtype)
+    return compute
+
+
+def export_merged(model: nn.Module, out_dir: str, *, group=None, max_shard_bytes: Optional[int] = None) -> str:
+    """Collective: the base model with the adapters merged, as a plain Hugging Face checkpoint
+    (``from_pretrained`` loads it without peft); every rank writes its share, one tensor at a time."""
+    from hyperacc.weights.export import DEFAULT_MAX_SHARD_BYTES, export_sharded
+
+    return export_sharded(model.get_base_model(), out_dir, tensors=merged_tensors(model), group=group,
+                          max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
