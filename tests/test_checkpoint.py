@@ -294,17 +294,33 @@ def test_a6_missing_model_key(tmp_path):
 def test_a7_peft_restores_without_base_keys(tmp_path):
     config = cfg(tmp_path, is_peft=True)
     state = make_state(frozen=True)
+    base_before = state.models[0][0].weight.clone()
     ckpt = Checkpointer(config)
     train(state, ckpt, 2)
     path = ckpt.save(state)
     saved_keys = storage.read_dcp_metadata(path).state_dict_metadata
     assert not any(k.startswith("model.0.") for k in saved_keys)       # the frozen base is not saved
     trained = state.models[0][2].weight.clone()
-    fresh = make_state(seed=9, frozen=True)
-    base = fresh.models[0][0].weight.clone()
+    fresh = make_state(frozen=True)          # the same base (same seed), untrained head
+    assert not torch.equal(fresh.models[0][2].weight, trained)
     Checkpointer(config).load(fresh, path)
     torch.testing.assert_close(fresh.models[0][2].weight, trained, rtol=0, atol=0)
-    torch.testing.assert_close(fresh.models[0][0].weight, base, rtol=0, atol=0)
+    torch.testing.assert_close(fresh.models[0][0].weight, base_before, rtol=0, atol=0)
+
+
+def test_a7_peft_refuses_another_frozen_base(tmp_path):
+    """An adapters-only checkpoint resumed onto another base would train on silently: refused, naming
+    the first frozen parameter that differs; nothing is loaded."""
+    config = cfg(tmp_path, is_peft=True)
+    state = make_state(frozen=True)
+    ckpt = Checkpointer(config)
+    train(state, ckpt, 2)
+    path = ckpt.save(state)
+    other = make_state(seed=9, frozen=True)
+    head = other.models[0][2].weight.clone()
+    with pytest.raises(RuntimeError, match=r"another base model: frozen parameter 0\.(weight|bias) differs"):
+        Checkpointer(config).load(other, path)
+    assert torch.equal(other.models[0][2].weight, head)
 
 
 def test_a9_count_mismatch_warns_and_pairs_shorter(tmp_path):

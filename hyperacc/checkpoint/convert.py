@@ -108,6 +108,11 @@ def to_hf(checkpoint: str, output: str, *, config_from: Optional[str] = None, ov
     problem = restore.verify(checkpoint, True)
     if problem:
         raise ConvertError(problem)
+    if (storage.read_sentinel(checkpoint) or {}).get("peft"):
+        raise ConvertError(f"{checkpoint} holds the trainable tensors of a PEFT run only (adapters, no base "
+                           "model): there is no full model to convert. Fix: export the adapters from a run "
+                           "(hyperacc.integrations.peft.export_adapter / export_merged, or the example's "
+                           "--peft.export_dir after resuming from this checkpoint).")
     metadata = storage.read_dcp_metadata(checkpoint).state_dict_metadata
     prefix = buckets.model_key(0) + "."
     saved = {k[len(prefix):]: v for k, v in metadata.items() if k.startswith(prefix) and hasattr(v, "size")}

@@ -16,5 +16,10 @@ __all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_hf"]
 
 def export_hf(model: torch.nn.Module, out_dir: str, *, group=None,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
-    """Collective: every rank calls it and writes part of ``out_dir``. Returns ``out_dir``."""
+    """Collective: every rank calls it and writes part of ``out_dir``. Returns ``out_dir``. A PEFT
+    model's export is its adapters, in PEFT's format (the base model is not the run's to re-publish)."""
+    from hyperacc.integrations import peft
+
+    if peft.is_peft_model(model):
+        return peft.export_adapter(model, out_dir, group=group)
     return export_sharded(model, out_dir, max_shard_bytes=max_shard_bytes, group=group)

@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
-from hyperacc.checkpoint import (_comm, buckets, containment, discovery, integrity, lifecycle, optim_state, restore,
-                                 rng, storage)
+from hyperacc.checkpoint import (_comm, buckets, containment, discovery, frozen_base, integrity, lifecycle,
+                                 optim_state, restore, rng, storage)
 from hyperacc.checkpoint.buckets import TrainState
 from hyperacc.checkpoint.export import export_hf
 from hyperacc.checkpoint.lock import DirLock, lock_shared
@@ -54,6 +54,7 @@ class Checkpointer:
         self.last_load_timings: dict = {}
         self.save_guards: list = []         # called on every rank before each save; raising stops it
         self._restored_from: Optional[str] = None   # the checkpoint this run resumed from
+        self._base_fingerprints = {}        # PEFT: the frozen base's fingerprint, once per model (frozen_base.py)
         self._history_checked = False       # whether checkpoint_dir's history was checked (lifecycle.py)
         self._damaged: list = []            # checkpoints LATEST skipped as damaged in the last load
 
@@ -145,6 +146,7 @@ class Checkpointer:
         models = buckets.as_list(state.models)
         optimizers = buckets.as_list(state.optimizers) if cfg.save_optimizer else []
         payload, peft = {}, buckets.adapters_only(cfg, models)
+        base = frozen_base.for_models(models, self.cpu_group, self._base_fingerprints) if peft else None
         for i, model in enumerate(models):
             payload[buckets.model_key(i)] = buckets.model_state(model, trainable_only=peft)
         for i, optimizer in enumerate(optimizers):
@@ -182,7 +184,7 @@ class Checkpointer:
                     "models": len(models), "optimizers": len(optimizers),
                     "schedulers": len(buckets.as_list(state.schedulers)) if layout != "none" else 0,
                     "world_size": _comm.world_size(), "dp_size": int(state.dp_size),
-                    "peft": peft, "seed": int(state.seed), "precision": state.precision})
+                    "peft": peft, "frozen_base": base, "seed": int(state.seed), "precision": state.precision})
             return digests
 
         digests = _comm.run_on_every_rank(write_own_files, self.cpu_group)   # one rank failing stops all
@@ -234,6 +236,7 @@ class Checkpointer:
         owners = [buckets.optimizer_owner(models, i, len(optimizers)) for i in range(len(optimizers))]
         live_groups = [optim_state.group_names(o, opt) for o, opt in zip(owners, optimizers)]
         peft = buckets.adapters_only(cfg, models)
+        base = frozen_base.for_models(models, self.cpu_group, self._base_fingerprints) if peft else None
         templates = [buckets.model_state(m, trainable_only=peft) for m in models]
         model_keys = [[f"{buckets.model_key(i)}.{k}" for k in t] for i, t in enumerate(templates)]
         path = self._trusted_checkpoint(source)
@@ -241,7 +244,8 @@ class Checkpointer:
         if path is None:
             return None
         plan = _comm.decide_on_rank0(
-            lambda: restore.plan_load(cfg, path, model_keys, live_groups, state, adapters_only=peft), self.cpu_group)
+            lambda: restore.plan_load(cfg, path, model_keys, live_groups, state, adapters_only=peft,
+                                      frozen=base), self.cpu_group)
         clock.lap("plan")
 
         payload = {buckets.model_key(i): t for i, t in enumerate(templates)}

@@ -12,7 +12,7 @@ import os
 import warnings
 from typing import List, Optional
 
-from hyperacc.checkpoint import _comm, buckets, integrity, optim_state, rng, storage
+from hyperacc.checkpoint import _comm, buckets, frozen_base, integrity, optim_state, rng, storage
 
 logger = logging.getLogger("hyperacc.checkpoint")
 warn0 = buckets.warn0
@@ -75,16 +75,19 @@ def _mismatch_hint(sentinel: dict, adapters_only: bool) -> str:
 
 
 def plan_load(cfg, path: str, model_keys, live_groups: List[List[List[str]]], state, *,
-              adapters_only: bool = False) -> dict:
+              adapters_only: bool = False, frozen: Optional[list] = None) -> dict:
     """Rank 0: check everything that could fail, before any collective. ``live_groups``: per
     optimizer to restore, its param groups' parameter names. ``model_keys``: what must be there
-    (``adapters_only``: the trainable tensors)."""
+    (``adapters_only``: the trainable tensors). ``frozen``: the live frozen base's fingerprints
+    (`frozen_base`), checked against the checkpoint's."""
     sentinel = storage.read_sentinel(path) or {}
     available = storage.read_dcp_metadata(path).state_dict_metadata
     missing = [k for keys in model_keys for k in keys if k not in available]
     if missing:
         raise RuntimeError(f"missing model key(s) in checkpoint {path}: {missing[:8]}"
                            f"{' ...' if len(missing) > 8 else ''} ({_mismatch_hint(sentinel, adapters_only)}).")
+    if adapters_only and frozen is not None:
+        frozen_base.check(path, sentinel.get("frozen_base"), frozen)
     if sentinel.get("contents") == "model":
         # A model-only checkpoint (`convert from-hf`): where a run starts, not where one resumes.
         logger.info("%s holds weights only: optimizer, schedule, loader and progress start fresh.", path)
