@@ -38,4 +38,5 @@ def shard_and_fill(model: nn.Module, *, mesh, fsdp_config, device: torch.device,
         peft.copy_modules_to_save(model)        # a trainable copy starts as its (just initialised) original
     peft.write_values(model, adapters)
     peft.match_copy_dtypes(model)       # fp32 modules_to_save copies between bf16 base layers
+    peft.reshard_around_switches(model)     # PEFT's requires_grad toggles land on the sharded parameters
     return originals

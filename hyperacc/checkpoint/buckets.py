@@ -79,8 +79,17 @@ def adapters_only(cfg, models) -> bool:
 
 
 def model_state(model: nn.Module, *, trainable_only: bool = False) -> dict:
+    """The model bucket (DTensor shards, nothing gathered). ``trainable_only``: the trainable tensors,
+    and a PEFT model's adapter tensors whatever their ``requires_grad`` (an inactive adapter, or a flag
+    PEFT toggled: what the checkpoint holds must not depend on it)."""
+    from hyperacc.integrations.peft import adapter_tensor_names
+
     reshard(model)
-    return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
+    adapters = adapter_tensor_names(model) if trainable_only else set()
+    if adapters - set(state):
+        state.update({k: v for k, v in get_model_state_dict(model).items() if k in adapters})
+    return state
 
 
 def restore_model(model: nn.Module, state: dict, *, strict: bool) -> None:

@@ -236,7 +236,7 @@ class Checkpointer:
         owners = [buckets.optimizer_owner(models, i, len(optimizers)) for i in range(len(optimizers))]
         live_groups = [optim_state.group_names(o, opt) for o, opt in zip(owners, optimizers)]
         peft = buckets.adapters_only(cfg, models)
-        base = frozen_base.for_models(models, self.cpu_group, self._base_fingerprints) if peft else None
+        base = frozen_base.for_models(models, self.cpu_group) if peft else None     # fresh: checked as it is now
         templates = [buckets.model_state(m, trainable_only=peft) for m in models]
         model_keys = [[f"{buckets.model_key(i)}.{k}" for k in t] for i, t in enumerate(templates)]
         path = self._trusted_checkpoint(source)

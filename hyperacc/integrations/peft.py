@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import shutil
 import sys
@@ -98,8 +99,12 @@ def _strip_owner(key: str, owner: str, module: nn.Module, wrapper) -> Optional[s
     return None          # an adapter's own tensor (lora_A, lora_B, ...)
 
 
-def adapter_names(model: nn.Module) -> List[str]:
-    return [n for n, key in base_names(model).items() if key is None]
+def adapter_tensor_names(model: nn.Module) -> set:
+    """The tensors a PEFT model trains, by its structure rather than by ``requires_grad``: every
+    adapter's own tensors and every ``modules_to_save`` copy. Empty for any other model."""
+    if not is_peft_model(model):
+        return set()
+    return {n for n, key in base_names(model).items() if key is None or ".modules_to_save." in n}
 
 
 # --------------------------------------------------------------------------- checks before any collective
@@ -276,6 +281,48 @@ def match_copy_dtypes(model: nn.Module) -> None:
                 lambda mod, args, output, original=module.original_module: _cast(output, _first_float(original)))
 
 
+# --------------------------------------------------------------------------- switching adapters on and off
+def reshard_around_switches(model: nn.Module) -> None:
+    """PEFT switches adapters on and off (``disable_adapter()``, ``set_adapter``, ...) by toggling
+    ``requires_grad``. Under FSDP2 the flag that counts is the sharded parameter's (copied to the
+    unsharded one at every all-gather); toggled while a unit is unsharded (after any forward, the
+    root unit always) it lands on the unsharded copy only and is lost, and restoring it later lands
+    on the sharded one: measured, a ``modules_to_save`` copy ended frozen after one
+    ``with model.disable_adapter():`` -- still updated, but no longer in adapters-only checkpoints.
+    Each of these calls is made on resharded units here, so the flags land where FSDP2 reads them."""
+    if not is_peft_model(model):
+        return
+    from hyperacc.sharding import reshard
+
+    switch_off = model.disable_adapter
+
+    @contextlib.contextmanager
+    def disable_adapter():
+        reshard(model)
+        with switch_off():
+            try:
+                yield
+            finally:
+                reshard(model)       # before PEFT restores the flags on exit
+
+    model.disable_adapter = disable_adapter
+    for owner, name in ((model, "set_adapter"), (model.base_model, "enable_adapter_layers"),
+                        (model.base_model, "disable_adapter_layers")):
+        method = getattr(owner, name, None)
+        if method is not None:
+            setattr(owner, name, _after_reshard(model, method))
+
+
+def _after_reshard(model: nn.Module, method):
+    from hyperacc.sharding import reshard
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        reshard(model)
+        return method(*args, **kwargs)
+    return call
+
+
 # --------------------------------------------------------------------------- exports
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """Collective for a DTensor: every rank must call it in the same order."""
@@ -287,7 +334,7 @@ def adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
     from hyperacc.sharding import reshard
 
     reshard(model)
-    keep = {n for n, key in base_names(model).items() if key is None or ".modules_to_save." in n}
+    keep = adapter_tensor_names(model)
     out = {}
     for name, tensor in model.named_parameters():
         if name in keep:
