@@ -8,7 +8,9 @@ FSDP-sharded over efsdp = dp_shard*cp*tp/ep instead.
 
 Bytes per rank (``plan_sharding(...).bytes``), by category:
   persistent: sharded parameters, gradients and AdamW's two moments, in the recipe's dtypes
-    (`hyperacc.precision`);
+    (`hyperacc.precision`); frozen parameters (``requires_grad=False``: a PEFT model's base) have
+    no gradient and no optimizer state, and a PEFT model's keep their own dtype (`prepare` does not
+    cast them: a bf16 base stays bf16 under fp32_master);
   transients of forward + backward: the root unit all-gathered (it is not resharded after
     forward) plus two block units (the running one and the prefetched one; every unit when
     ``reshard_after_forward`` is off), one unit's unsharded gradients in the compute dtype plus
@@ -83,6 +85,7 @@ class ShardingPlan:
     cp: int = 1
     precision: str = "fp32_master"
     labels: Dict[str, str] = dataclasses.field(default_factory=dict)   # category -> what it holds
+    trainable_params: Optional[int] = None      # of total_params (None: every one)
 
 
 def _numel(shape) -> int:
@@ -151,6 +154,17 @@ def _backward_gradients_and_activations(sizes: Dict[str, float], tail: float, mi
     return activations + grads if micro_batches > 1 else max(activations, grads + tail)
 
 
+def _hidden_bytes(model: nn.Module, named: Dict[str, nn.Parameter], stored, default: int) -> int:
+    """Bytes per element of the hidden states without mixed precision: the input embeddings' stored
+    dtype (a frozen bf16 base under PEFT computes in bf16 whatever the recipe stores its adapters in)."""
+    try:
+        weight = model.get_input_embeddings().weight
+    except (AttributeError, NotImplementedError):
+        return default
+    name = next((n for n, p in named.items() if p is weight), None)
+    return default if name is None else stored(name, weight)
+
+
 def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, tp: int = 1, cp: int = 1,
                   ep: int = 1, wrap_classes=None, mixed_precision: Optional[str] = None,
                   precision: Optional[str] = None, cpu_offload: bool = False,
@@ -162,10 +176,15 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
     ``micro_batches``: per DP rank and optimizer step (traffic, and the gradients accumulation keeps);
     ``reduce_every_micro_batch``: as `hyperacc.FSDPConfig`'s. ``device_type``: where it will run
     ("cpu" changes only how torch's AdamW allocates)."""
+    from hyperacc.integrations.peft import check_layout, is_peft_model
     from hyperacc.parallel.context import check_context_parallel, kv_replication
     from hyperacc.sharding import block_classes, find_blocks
 
     recipe = get_recipe(precision)
+    try:
+        check_layout(model, tp, ep)             # what prepare refuses: PEFT with tp/ep > 1
+    except NotImplementedError as err:
+        raise ValueError(str(err)) from None
     fixed = dp_replicate * tp * cp
     if world_size % fixed:
         raise ValueError(f"world size {world_size} is not divisible by dp_replicate*tp*cp={fixed}")
@@ -189,57 +208,88 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
         shape[0] = math.ceil(shape[0] / divisor)    # whole experts / tp slices (padding ignored)
         return _shard_numel(tuple(shape), efsdp if expert else shards)
 
-    ids = {id(p): n for n, p in named.items()}
-    in_block, block_units, gathered = set(), [], 0.0
-    for block in blocks:
-        dense = expert = 0
-        for p in block.parameters():
-            in_block.add(id(p))
-            n = ids[id(p)]
-            if share[n][1]:
-                expert += after_split(n, p)
-            else:
-                dense += after_split(n, p)
-        block_units += [dense] + ([expert] if expert else [])
-        gathered += dense * (shards - 1) / shards + expert * (efsdp - 1) / efsdp
-    root_unit = sum(after_split(n, p) for n, p in named.items() if id(p) not in in_block)
-    gathered += root_unit * (shards - 1) / shards
-    unit_sizes = block_units + [root_unit]
-    total = sum(p.numel() for p in model.parameters())
-    local_dense = sum(sharded(n, p) for n, p in named.items() if not share[n][1])
-    local_expert = sum(sharded(n, p) for n, p in named.items() if share[n][1])
-    local = local_dense + local_expert
     per_param = recipe.bytes_per_param()
     param_bytes = per_param["params"]
     compute = _COMPUTE_BYTES.get(mixed_precision, param_bytes)
+    # Frozen parameters: no gradient, no optimizer state; a PEFT model's keep their own dtype (prepare
+    # casts the trainable ones only), any other model's are cast to the recipe's like the rest.
+    keep_frozen = is_peft_model(model)
+    frozen = {n for n, p in named.items() if not p.requires_grad}
+
+    def stored(n, p):                               # bytes per element as prepare stores the parameter
+        return p.element_size() if n in frozen and keep_frozen and p.is_floating_point() else param_bytes
+
+    def gathered_bytes(n, p):                       # all-gathered: mixed_precision's dtype, else the stored one
+        return compute if mixed_precision in _COMPUTE_BYTES else stored(n, p)
+
+    ids = {id(p): n for n, p in named.items()}
+    in_block, block_units, block_bytes, block_trainable, gathered = set(), [], [], [], 0.0
+    for block in blocks:
+        numel, nbytes, trainable = {False: 0, True: 0}, {False: 0, True: 0}, {False: 0, True: 0}
+        for p in block.parameters():
+            in_block.add(id(p))
+            n = ids[id(p)]
+            expert = share[n][1]
+            numel[expert] += after_split(n, p)
+            nbytes[expert] += after_split(n, p) * gathered_bytes(n, p)
+            trainable[expert] += 0 if n in frozen else after_split(n, p)
+        kinds = [False] + ([True] if numel[True] else [])
+        block_units += [numel[k] for k in kinds]
+        block_bytes += [nbytes[k] for k in kinds]
+        block_trainable += [trainable[k] for k in kinds]
+        gathered += nbytes[False] * (shards - 1) / shards + nbytes[True] * (efsdp - 1) / efsdp
+    root = [(n, p) for n, p in named.items() if id(p) not in in_block]
+    root_unit = sum(after_split(n, p) for n, p in root)
+    root_bytes = sum(after_split(n, p) * gathered_bytes(n, p) for n, p in root)
+    gathered += root_bytes * (shards - 1) / shards
+    unit_sizes = block_units + [root_unit]
+    unit_trainable = block_trainable + [sum(after_split(n, p) for n, p in root if n not in frozen)]
+    total = sum(p.numel() for p in model.parameters())
+    trainable_total = sum(p.numel() for n, p in named.items() if n not in frozen)
+    local_dense = sum(sharded(n, p) for n, p in named.items() if not share[n][1])
+    local_expert = sum(sharded(n, p) for n, p in named.items() if share[n][1])
+    local = local_dense + local_expert
+    local_trainable = sum(sharded(n, p) for n, p in named.items() if n not in frozen)
+    local_frozen_bytes = sum(sharded(n, p) * stored(n, p) for n, p in named.items() if n in frozen)
     largest = max(unit_sizes)
-    ordered = sorted(block_units)
-    live_blocks = sum(block_units) if not reshard_after_forward else sum(ordered[-2:])
+    largest_trainable = max(unit_trainable)
+    ordered = sorted(block_bytes)
+    live_blocks = sum(block_bytes) if not reshard_after_forward else sum(ordered[-2:])
     sizes = {
-        "params": float(per_param["params"] * local),
-        "grads": float(per_param["grads"] * local),
-        "optimizer states": float(per_param["optimizer"] * local),
-        "all-gathered units": float(compute * (root_unit + live_blocks)),
-        "unsharded grads": float((compute + 4) * largest),
+        "params": float(per_param["params"] * local_trainable + local_frozen_bytes),
+        "grads": float(per_param["grads"] * local_trainable),
+        "optimizer states": float(per_param["optimizer"] * local_trainable),
+        "all-gathered units": float(root_bytes + live_blocks),
+        "unsharded grads": float((compute + 4) * largest_trainable),
     }
     dtype_name = str(recipe.param_dtype).replace("torch.", "")
     state_name = str(recipe.state_dtype).replace("torch.", "")
     compute_name = {2: "bf16", 4: "fp32"}[compute] if mixed_precision != "fp16" else "fp16"
+    gathered_name = compute_name if not frozen or mixed_precision in _COMPUTE_BYTES else "stored dtypes"
+    frozen_dtypes = sorted({str(p.dtype if keep_frozen else recipe.param_dtype).replace("torch.", "")
+                            for n, p in named.items() if n in frozen})
     labels = {
-        "params": f"params ({dtype_name}, sharded)",
+        "params": (f"params ({dtype_name}, sharded)" if not frozen else
+                   f"params (trainable {dtype_name} + frozen {'/'.join(frozen_dtypes)}, sharded)"),
         "grads": f"grads ({dtype_name}, sharded)",
         "optimizer states": f"optimizer states (AdamW exp_avg + exp_avg_sq, {state_name})",
         "all-gathered units": (f"transient: root unit + {'every' if not reshard_after_forward else 'two'} block "
-                               f"unit(s) all-gathered ({compute_name})"),
+                               f"unit(s) all-gathered ({gathered_name})"),
         "unsharded grads": f"transient: one unit's unsharded grads ({compute_name}) + fp32 reduce-scatter buffer",
     }
     notes = [f"precision={recipe.name}: {recipe.summary}"]
+    if frozen:
+        notes.append(f"trainable {_human(trainable_total)} of {_human(total)} params "
+                     f"({100 * trainable_total / max(total, 1):.2f} %), frozen {_human(total - trainable_total)} "
+                     f"({'/'.join(frozen_dtypes)}"
+                     f"{', kept in their own dtype (PEFT)' if keep_frozen else ', cast to the recipe'}): frozen ones "
+                     "have no grads and no optimizer states")
     if tp > 1 or ep > 1:
         notes.append(f"of the persistent params per rank: dense {_human(local_dense)}, expert {_human(local_expert)}; "
                      "grads and AdamW states follow the same split")
     # all-gathered per rank: each unit in forward and again in backward, every micro-batch
     notes.append(f"all-gathered per rank and step (FSDP, received, {micro_batches} micro-batch(es)): "
-                 f"{_bytes(gathered * compute * 2 * micro_batches).strip()}")
+                 f"{_bytes(gathered * 2 * micro_batches).strip()}")
     config = getattr(model, "config", None)
     all_to_all = 0.0
     if ep > 1 and micro_batch_size and seq_len and config is not None:
@@ -254,7 +304,8 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
     if micro_batch_size and seq_len and config is not None:
         tokens = micro_batch_size * seq_len // cp                   # this rank's piece of each sequence
         sizes["activations"], activations_tail = activation_moments(
-            config, tokens=tokens, seq_len=seq_len, micro_batch_size=micro_batch_size, compute=compute,
+            config, tokens=tokens, seq_len=seq_len, micro_batch_size=micro_batch_size,
+            compute=_hidden_bytes(model, named, stored, compute) if mixed_precision not in _COMPUTE_BYTES else compute,
             layers=len(blocks), recompute=activation_checkpointing, eager_attention=eager_attention, tp=tp, cp=cp,
             ep=ep)
         labels["activations"] = ("activations (block inputs + max(loss's fp32 grads, a recomputed block))"
@@ -274,11 +325,12 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
             cp_bytes = tokens * micro_batches * len(blocks) * per_token * passes * (cp - 1) / cp
             notes.append(f"all-to-all per rank and step (CP, sent): {_bytes(cp_bytes).strip()}")
     if micro_batches > 1 and not reduce_every_micro_batch:
-        sizes["accumulated grads"] = 4.0 * sum(unit_sizes)
+        sizes["accumulated grads"] = 4.0 * sum(unit_trainable)
         labels["accumulated grads"] = ("accumulation: every unit's unsharded grads (fp32), kept between "
                                        "micro-batches")
-    largest_local = max((sharded(n, p) for n, p in named.items()), default=0)
-    sizes["optimizer step"], labels["optimizer step"] = _optimizer_step_bytes(recipe, local, largest_local, device_type)
+    largest_local = max((sharded(n, p) for n, p in named.items() if n not in frozen), default=0)
+    sizes["optimizer step"], labels["optimizer step"] = _optimizer_step_bytes(recipe, local_trainable, largest_local,
+                                                                              device_type)
     labels["optimizer step"] = "transient: optimizer step, " + labels["optimizer step"]
     persistent = sum(sizes[k] for k in PERSISTENT)
     host = persistent if cpu_offload else 0.0
@@ -297,7 +349,7 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
                         all_to_all_bytes=all_to_all, total_params=total, params_per_rank=local,
                         units=len(unit_sizes), largest_unit_params=largest, block_class=names, bytes=sizes,
                         device_bytes=max(backward, step), host_bytes=host, notes=notes, precision=recipe.name,
-                        labels=labels)
+                        labels=labels, trainable_params=trainable_total)
 
 
 def _human(n: float) -> str:
@@ -342,6 +394,7 @@ def plan_report(plan: ShardingPlan, **extra) -> dict:
             "layout": {"dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "cp": plan.cp, "tp": plan.tp,
                        "ep": plan.ep, "efsdp": plan.efsdp},
             "total_params": plan.total_params, "params_per_rank": plan.params_per_rank,
+            "trainable_params": plan.total_params if plan.trainable_params is None else plan.trainable_params,
             "per_rank_bytes": {k: int(v) for k, v in plan.bytes.items()},
             "per_rank_total_bytes": int(plan.device_bytes), "host_bytes_per_rank": int(plan.host_bytes),
             "notes": list(plan.notes), **extra}

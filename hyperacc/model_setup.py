@@ -28,6 +28,7 @@ def shard_and_fill(model: nn.Module, *, mesh, fsdp_config, device: torch.device,
     parallel.check_model(model, mesh.parallel)      # before any collective
     if num_processes > 1 and rank0_only_weights_expected():
         broadcast_from_rank0(model, device)
+    peft.broadcast_adapters(model, device)      # built before the seed was set: rank 0's init everywhere
     originals = dict(model.named_parameters())
     on_meta = any(p.is_meta for p in model.parameters())
     adapters = peft.initial_adapter_values(model, seed)     # PEFT's own init, full size, seeded per layer

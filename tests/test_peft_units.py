@@ -96,6 +96,16 @@ def test_tp_and_ep_with_adapters_are_refused_in_one_line(tp, ep, what):
     check_layout(base_model(), tp, ep)           # a plain model is not this check's business
 
 
+def test_adapters_on_fused_expert_parameters_are_refused():
+    from hyperacc.models import build_causal_lm, qwen3_moe_config
+
+    moe = build_causal_lm(qwen3_moe_config(), meta_device=True)
+    model = peft.get_peft_model(moe, peft.LoraConfig(r=4, target_modules=[],
+                                                     target_parameters=["mlp.experts.gate_up_proj"]))
+    with pytest.raises(NotImplementedError, match="target_parameters"):
+        check_layout(model, 1, 1)
+
+
 @pytest.fixture
 def prepared(tmp_path):
     """A meta-device bf16 Qwen3 + LoRA prepared by one process under the default fp32_master recipe."""
@@ -181,3 +191,15 @@ def test_convert_refuses_an_adapters_only_checkpoint(prepared, tmp_path):
     with pytest.raises(ConvertError, match="PEFT run only"):
         to_hf(path, str(tmp_path / "hf"), progress=False)
     assert not (tmp_path / "hf").exists()
+
+
+def test_adapters_built_before_seeding_are_rank0s_on_every_replica():
+    """PEFT draws adapter init from the global RNG: built before the Accelerator, each rank's differs.
+    prepare() broadcasts rank 0's, so HSDP replicas start identical (they diverged from step 0 before)."""
+    import json
+
+    from dist_utils import REPO, run_torchrun
+
+    proc = run_torchrun(REPO / "tests" / "scripts" / "peft_init_ranks.py", 2, timeout=300)
+    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert result["replicas_equal"] and result["is_rank0_init"], result
