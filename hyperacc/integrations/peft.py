@@ -77,11 +77,13 @@ def base_names(model: nn.Module) -> Dict[str, Optional[str]]:
     names += [n for n, _ in model.named_buffers(remove_duplicate=False)]
     out = {}
     for name in names:
-        key = name
-        for owner in sorted((o for o in kinds if name.startswith(f"{o}.")), key=len, reverse=True):
-            key = _strip_owner(key, owner, kinds[owner], wrapper)
-            if key is None:
-                break
+        key, parts = name, name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):        # the innermost wrapper first
+            owner = ".".join(parts[:cut])
+            if owner in kinds:
+                key = _strip_owner(key, owner, kinds[owner], wrapper)
+                if key is None:
+                    break
         out[name] = None if key is None else key[len(prefix):] if key.startswith(prefix) else key
     return out
 
@@ -192,8 +194,8 @@ def initial_adapter_values(model: nn.Module, seed: int) -> Dict[str, torch.Tenso
             for key, tensor in own.items():
                 if tensor.is_meta and key in made and f".{adapter}" in f".{key}":
                     values[f"{name}.{key}"] = made[key].detach().to(torch.float32)
-    missing = [n for n, p in model.named_parameters() if p.is_meta and base_names(model).get(n, "") is None
-               and n not in values]
+    names = base_names(model)
+    missing = [n for n, p in model.named_parameters() if p.is_meta and names.get(n, "") is None and n not in values]
     if missing:
         raise ValueError(f"{missing[0]} (and {len(missing) - 1} more) is an adapter tensor on the meta device that "
                          "PEFT's inject_adapter_in_model cannot recreate (a tuner with shared state, or prompt "
