@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hyperacc import parallel, weights
-from hyperacc.integrations import peft
+from hyperacc.integrations import peft, peft_runtime
 from hyperacc.sharding import broadcast_from_rank0, rank0_only_weights_expected, shard_model
 
 
@@ -38,6 +38,6 @@ def shard_and_fill(model: nn.Module, *, mesh, fsdp_config, device: torch.device,
     if on_meta and pretrained is None:
         peft.copy_modules_to_save(model)        # a trainable copy starts as its (just initialised) original
     peft.write_values(model, adapters)
-    peft.match_copy_dtypes(model)       # fp32 modules_to_save copies between bf16 base layers
-    peft.reshard_around_switches(model)     # PEFT's requires_grad toggles land on the sharded parameters
+    peft_runtime.match_copy_dtypes(model)       # fp32 modules_to_save copies between bf16 base layers
+    peft_runtime.reshard_around_switches(model)     # PEFT's requires_grad toggles land on the sharded parameters
     return originals

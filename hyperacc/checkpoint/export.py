@@ -18,8 +18,8 @@ def export_hf(model: torch.nn.Module, out_dir: str, *, group=None,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
     """Collective: every rank calls it and writes part of ``out_dir``. Returns ``out_dir``. A PEFT
     model's export is its adapters, in PEFT's format (the base model is not the run's to re-publish)."""
-    from hyperacc.integrations import peft
+    from hyperacc.integrations import peft, peft_export
 
     if peft.is_peft_model(model):
-        return peft.export_adapter(model, out_dir, group=group)
+        return peft_export.export_adapter(model, out_dir, group=group)
     return export_sharded(model, out_dir, max_shard_bytes=max_shard_bytes, group=group)

@@ -12,21 +12,17 @@ What a PEFT model needs beyond any other model, and why:
   `initial_adapter_values` runs PEFT's own injection, layer by layer, on a full-size host copy of each
   adapted base layer, seeded by (seed, layer name): PEFT's initialisation, the same on every rank and
   at every world size, for every tuner `inject_adapter_in_model` supports.
-- **Exports** in PEFT's own format (`export_adapter`, loadable by ``PeftModel.from_pretrained``) and
-  merged into the base (`export_merged`, a plain Hugging Face checkpoint), one gathered tensor at a time.
+- **Exports** in PEFT's own format and merged into the base: `hyperacc.integrations.peft_export`
+  (importable from here too). Run-time dtype casts and adapter switches: `peft_runtime`.
 
 `peft` is imported only when a PEFT model is seen: it is an optional extra (``pip install hyperacc[peft]``).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
-import os
-import shutil
 import sys
 import zlib
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -275,210 +271,9 @@ def copy_modules_to_save(model: nn.Module) -> None:
                 local.copy_(source.to_local() if isinstance(source, DTensor) else source)
 
 
-def _first_float(module: nn.Module) -> Optional[torch.dtype]:
-    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-
-
-def _cast(value, dtype):
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and dtype is not None:
-        return value.to(dtype)
-    if isinstance(value, tuple):
-        return tuple(_cast(v, dtype) for v in value)
-    return value
-
-
-def _inputs_to_own_dtype(module, args, kwargs):
-    """Before a trainable copy runs: its inputs in the dtype it computes in (read at call time, so
-    FSDP's mixed-precision parameters count)."""
-    dtype = _first_float(module)
-    return _cast(args, dtype), {k: _cast(v, dtype) for k, v in kwargs.items()}
-
-
-def match_copy_dtypes(model: nn.Module) -> None:
-    """A ``modules_to_save`` copy stored in the recipe's dtype (fp32 master weights) beside a frozen
-    bf16 base: its inputs are cast to its own dtype and its output back to the original module's,
-    as PEFT's adapters do, so the layers around it see the dtype they expect."""
-    if not is_peft_model(model):
-        return
-    _, wrapper = _tuner_classes()
-    for module in model.modules():
-        if not isinstance(module, wrapper) or not hasattr(module, "modules_to_save"):
-            continue
-        base_dtype = _first_float(module.original_module)
-        for copy_module in module.modules_to_save.values():
-            if _first_float(copy_module) in (None, base_dtype):
-                continue
-            copy_module.register_forward_pre_hook(_inputs_to_own_dtype, with_kwargs=True)
-            copy_module.register_forward_hook(
-                lambda mod, args, output, original=module.original_module: _cast(output, _first_float(original)))
-
-
-# --------------------------------------------------------------------------- switching adapters on and off
-def reshard_around_switches(model: nn.Module) -> None:
-    """PEFT switches adapters on and off (``disable_adapter()``, ``set_adapter``, ...) by toggling
-    ``requires_grad``. Under FSDP2 the flag that counts is the sharded parameter's (copied to the
-    unsharded one at every all-gather); toggled while a unit is unsharded (after any forward, the
-    root unit always) it lands on the unsharded copy only and is lost, and restoring it later lands
-    on the sharded one: measured, a ``modules_to_save`` copy ended frozen after one
-    ``with model.disable_adapter():`` -- still updated, but no longer in adapters-only checkpoints.
-    Each of these calls is made on resharded units here, so the flags land where FSDP2 reads them."""
-    if not is_peft_model(model):
-        return
-    from hyperacc.sharding import reshard
-
-    switch_off = model.disable_adapter
-
-    @contextlib.contextmanager
-    def disable_adapter():
-        reshard(model)
-        with switch_off():
-            try:
-                yield
-            finally:
-                reshard(model)       # before PEFT restores the flags on exit
-
-    model.disable_adapter = disable_adapter
-    for owner, name in ((model, "set_adapter"), (model.base_model, "enable_adapter_layers"),
-                        (model.base_model, "disable_adapter_layers")):
-        method = getattr(owner, name, None)
-        if method is not None:
-            setattr(owner, name, _after_reshard(model, method))
-
-
-def _after_reshard(model: nn.Module, method):
-    from hyperacc.sharding import reshard
-
-    @functools.wraps(method)
-    def call(*args, **kwargs):
-        reshard(model)
-        return method(*args, **kwargs)
-    return call
-
-
-# --------------------------------------------------------------------------- exports
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """Collective for a DTensor: every rank must call it in the same order."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Full-size host copies of every adapter tensor and ``modules_to_save`` copy (collective)."""
-    from hyperacc.sharding import reshard
-
-    reshard(model)
-    keep = adapter_tensor_names(model)
-    out = {}
-    for name, tensor in model.named_parameters():
-        if name in keep:
-            out[name] = _full(tensor.detach()).cpu()
-    return out
-
-
-def export_adapter(model: nn.Module, out_dir: str, *, group=None, into_existing: bool = False) -> str:
-    """Collective: the adapters in PEFT's own format (``adapter_model.safetensors`` +
-    ``adapter_config.json``, written by rank 0 through ``PeftModel.save_pretrained``), moved into
-    ``out_dir`` only when complete. Refuses an ``out_dir`` that holds files (``into_existing=True``:
-    one without adapter files, e.g. a tokenizer; a README there is kept). Returns ``out_dir``."""
-    from hyperacc.weights.export import _agree, _start
-
-    out_dir = os.path.abspath(out_dir)
-    tmp = _agree(lambda: _start(out_dir, into_existing), group)
-    state = adapter_state_dict(model)         # every rank joins the gathers
-
-    def write():
-        model.save_pretrained(tmp, state_dict=state, is_main_process=True)
-        os.makedirs(out_dir, exist_ok=True)
-        present = set(os.listdir(out_dir))
-        clash = [n for n in os.listdir(tmp) if n in present and n != "README.md"]
-        if clash:
-            raise FileExistsError(f"{out_dir} already holds {clash[0]}; hyperacc never writes over an export: "
-                                  "export to a new directory or remove it.")
-        for name in sorted(os.listdir(tmp), key=lambda n: n == ADAPTER_WEIGHTS_FILE):     # weights last
-            if name not in present:
-                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-        shutil.rmtree(tmp)
-        return out_dir
-
-    return _agree(write, group)
-
-
-@contextlib.contextmanager
-def _full_adapters(layer: nn.Module) -> Iterator[None]:
-    """Within: the layer's adapter parameters are plain full-size tensors (PEFT's own
-    ``get_delta_weight`` then works on them); restored after. Collective (every rank, same order)."""
-    swapped = []
-    for key, _ in _own_tensors(layer).items():
-        owner_name, _, attr = key.rpartition(".")
-        owner = layer.get_submodule(owner_name) if owner_name else layer
-        if attr in owner._parameters:
-            original = owner._parameters[attr]
-            owner._parameters[attr] = nn.Parameter(_full(original.detach()), requires_grad=False)
-            swapped.append((owner, attr, original))
-    try:
-        yield
-    finally:
-        for owner, attr, original in swapped:
-            owner._parameters[attr] = original
-
-
-def _check_mergeable(model: nn.Module) -> None:
-    from peft.tuners.lora import LoraLayer
-    from peft.tuners.lycoris_utils import LycorisLayer
-
-    for name, layer in tuner_layers(model):
-        if not isinstance(layer, (LoraLayer, LycorisLayer)):
-            raise NotImplementedError(f"{name}: merging {type(layer).__name__} adapters is not supported by the sharded "
-                                      "merged export (LoRA, LoHa and LoKr are). Fix: export the adapter "
-                                      "(export_adapter) and merge it with PEFT's merge_and_unload.")
-        if any(getattr(layer, "use_dora", {}).get(a, False) for a in layer.active_adapters):
-            raise NotImplementedError(f"{name}: DoRA adapters are not merged by the sharded export (their merge "
-                                      "rescales each weight column). Fix: export the adapter and merge it with "
-                                      "PEFT's merge_and_unload.")
-
-
-def merged_tensors(model: nn.Module):
-    """(base checkpoint key, tensor or `Computed`) of the base model with the active adapters folded
-    in: W + delta(adapters), computed in fp32 and stored in W's dtype (as PEFT's merge does)."""
-    from hyperacc.weights.export import Computed, export_tensors
-
-    _check_mergeable(model)
-    names = base_names(model)
-    _, wrapper = _tuner_classes()
-    trained_copies = {}
-    for owner, module in model.named_modules():
-        if isinstance(module, wrapper) and hasattr(module, "modules_to_save"):
-            active = [a for a in module.modules_to_save if a in module.active_adapters]
-            if active:
-                trained_copies[owner] = f"{owner}.modules_to_save.{active[0]}."
-    layers = {f"{name}.base_layer.weight": layer for name, layer in tuner_layers(model)}
-    out = []
-    for name, tensor in export_tensors(model):
-        key = names.get(name)
-        if key is None:
-            continue
-        owner = next((o for o in trained_copies if name.startswith(f"{o}.")), None)
-        if owner is not None and not name.startswith(trained_copies[owner]):
-            continue            # the original of a modules_to_save copy: the trained copy is exported
-        layer = layers.get(name)
-        out.append((key, tensor if layer is None else Computed(tensor.shape, tensor.dtype, _merge(tensor, layer))))
-    return out
-
-
-def _merge(weight: torch.Tensor, layer: nn.Module):
-    def compute() -> torch.Tensor:
-        full = _full(weight.detach()).float()
-        with _full_adapters(layer), torch.no_grad():
-            for adapter in layer.active_adapters:
-                if adapter in _layer_adapters(layer):
-                    full = full + layer.get_delta_weight(adapter).float()
-        return full.to(weight.dtype)
-    return compute
-
-
-def export_merged(model: nn.Module, out_dir: str, *, group=None, max_shard_bytes: Optional[int] = None) -> str:
-    """Collective: the base model with the adapters merged, as a plain Hugging Face checkpoint
-    (``from_pretrained`` loads it without peft); every rank writes its share, one tensor at a time."""
-    from hyperacc.weights.export import DEFAULT_MAX_SHARD_BYTES, export_sharded
-
-    return export_sharded(model.get_base_model(), out_dir, tensors=merged_tensors(model), group=group,
-                          max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+def __getattr__(name):
+    # The exports live in peft_export (one concept per module); importable from here as well.
+    if name in ("export_adapter", "export_merged", "adapter_state_dict", "merged_tensors"):
+        from hyperacc.integrations import peft_export
+        return getattr(peft_export, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

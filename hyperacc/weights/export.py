@@ -129,12 +129,12 @@ def save_model_sharded(model: nn.Module, save_directory: str, max_shard_size="10
     ``save_directory`` may already hold other files (a tokenizer) but no weights."""
     from accelerate.utils import convert_file_size_to_int
 
-    from hyperacc.integrations import peft
+    from hyperacc.integrations import peft, peft_export
 
     if not safe_serialization:
         raise ValueError("save_model(safe_serialization=False): hyperacc writes safetensors only; drop the argument.")
     if peft.is_peft_model(model):     # what PeftModel.save_pretrained writes: the adapters, PEFT's format
-        return peft.export_adapter(model, save_directory, group=group, into_existing=True)
+        return peft_export.export_adapter(model, save_directory, group=group, into_existing=True)
     return export_sharded(model, save_directory, max_shard_bytes=convert_file_size_to_int(max_shard_size),
                           group=group, into_existing=True)
 
