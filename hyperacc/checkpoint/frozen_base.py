@@ -10,7 +10,8 @@ differs.
 The fingerprint is independent of the layout (each element counted once: a rank's slice is divided
 by the number of ranks holding the same slice), so a resume at another world size is checked as
 well; float64 summation order differs between layouts by ~1e-16 relative, far under the tolerance.
-It is computed once per model and run (the base never changes while training).
+Computed once per model and run for saves (the base never changes while training) and afresh at
+each load; a pass over the frozen shards in float64 on the host, a chunk at a time.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 RELATIVE_TOLERANCE = 1e-9
+CHUNK = 1 << 24         # elements converted to float64 at a time (128 MiB)
 
 
 def _copies(tensor: torch.Tensor, world: int) -> int:
@@ -48,11 +50,13 @@ def fingerprint(model: nn.Module, group=None) -> Dict[str, List[float]]:
     local = torch.zeros(len(params), 3, dtype=torch.float64)
     for row, (_, param) in enumerate(params):
         data = param.to_local() if isinstance(param, DTensor) else param
-        values = data.detach().reshape(-1).to("cpu", torch.float64)
-        copies = _copies(param, world)
-        local[row, 0] = values.numel() / copies
-        local[row, 1] = values.sum() / copies
-        local[row, 2] = values.square().sum() / copies
+        flat, copies = data.detach().reshape(-1), _copies(param, world)
+        for start in range(0, flat.numel(), CHUNK):      # float64 on the host, a chunk at a time
+            values = flat[start:start + CHUNK].to("cpu", torch.float64)
+            local[row, 1] += values.sum()
+            local[row, 2] += values.square().sum()
+        local[row] *= 1.0 / copies
+        local[row, 0] = flat.numel() / copies
     if dist.is_initialized() and world > 1:
         dist.all_reduce(local, group=group)
     return {name: [round(local[row, 0].item()), local[row, 1].item(), local[row, 2].item()]
