@@ -1,4 +1,5 @@
-"""Checks of a training config that need neither a process group nor a model (examples/train_qwen.py).
+"""Checks of a training config that need neither a process group nor a model (examples/train_qwen.py),
+or only the model on the meta device (`check_peft_targets`).
 
 Each raises one ConfigError naming the problem and the fix; train_qwen.py runs them on every rank
 before anything is built (`load_config`, `preflight`), so every rank prints the same line.
@@ -33,7 +34,8 @@ def check_paths(cfg, config_path):
         outputs = [("--training.dry_run_report", t.dry_run_report)]
         inputs += [("logging.metrics_file", log.metrics_file), ("logging.tensorboard_dir", log.tensorboard_dir)]
     else:
-        outputs = [("--logging.metrics_file", log.metrics_file), ("--logging.tensorboard_dir", log.tensorboard_dir)]
+        outputs = [("--logging.metrics_file", log.metrics_file), ("--logging.tensorboard_dir", log.tensorboard_dir),
+                   ("--peft.export_dir", cfg.peft.export_dir), ("--peft.merged_export_dir", cfg.peft.merged_export_dir)]
     check_paths_apart(outputs, inputs, output_dirs=[("--checkpoint.checkpoint_dir", ck.checkpoint_dir)],
                       reserved=CHECKPOINT_DIR_FILES)
 
@@ -110,17 +112,25 @@ def check_checkpoint_start(cfg):
         raise ConfigError(f"checkpoint: {err}") from None
     if source is not None:
         check_resume_schedule(cfg, source)
+        check_resume_peft(cfg, source)
+
+
+def _saved_run_config(checkpoint):
+    """The example's config saved in ``checkpoint`` (nested dict), or None (written without it)."""
+    from hyperacc.checkpoint.containment import RUN_CONFIG_FILE
+
+    try:
+        with open(os.path.join(checkpoint, RUN_CONFIG_FILE), encoding="utf-8") as handle:
+            return yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError):
+        return None
 
 
 def check_resume_schedule(cfg, checkpoint):
     """The LR schedule is a function of (lr_scheduler, total steps): changing either on resume would
     rescale the schedule mid-run (e.g. a longer max_steps stretches the cosine: a jump in the LR)."""
-    from hyperacc.checkpoint.containment import RUN_CONFIG_FILE
-
-    try:
-        with open(os.path.join(checkpoint, RUN_CONFIG_FILE), encoding="utf-8") as handle:
-            saved = yaml.safe_load(handle) or {}
-    except (OSError, yaml.YAMLError):
+    saved = _saved_run_config(checkpoint)
+    if saved is None:
         return      # a checkpoint written without the example's config: nothing to compare
     old_sched, new_sched = dict(saved.get("lr_scheduler") or {}), dataclasses.asdict(cfg.lr_scheduler)
     old_total = old_sched.pop("total_steps", None) or (saved.get("training") or {}).get("max_steps")
@@ -173,3 +183,97 @@ def check_parallel(cfg, world_size):
         check_supported(cfg.parallel.resolved(world_size))
     except (ValueError, NotImplementedError) as err:
         raise ConfigError(f"parallel sizes for {world_size} process(es): {err}") from None
+
+
+# --------------------------------------------------------------------------- PEFT (--peft.*)
+PEFT_OUTPUTS = ("export_dir", "merged_export_dir")      # where the run writes: free to change on resume
+
+
+def check_peft_installed(cfg):
+    """``peft`` is an optional extra: imported only for ``peft.method=lora``, and named when missing."""
+    if cfg.peft.method == "none":
+        return
+    try:
+        import peft  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"peft.method={cfg.peft.method} needs the peft package, which cannot be imported ({err}). "
+                          "Fix: pip install 'hyperacc[peft]' (or pip install peft), or --peft.method=none for full "
+                          "fine-tuning.") from None
+
+
+def check_peft_layout(cfg):
+    """Adapters under tensor or expert parallelism are refused by hyperacc (``prepare`` raises
+    NotImplementedError): said here, before anything is built."""
+    p = cfg.parallel
+    if cfg.peft.method == "none":
+        return
+    for size, flag in ((p.tp_size or 1, "tp_size"), (p.ep_size or 1, "ep_size")):
+        if size > 1:
+            raise ConfigError(f"peft.method={cfg.peft.method} with parallel.{flag}={size}: hyperacc does not support "
+                              f"PEFT adapters under {'tensor' if flag == 'tp_size' else 'expert'} parallelism. Fix: "
+                              f"--parallel.{flag}=1 (FSDP/HSDP shard the adapters and the base alike), or "
+                              "--peft.method=none for full fine-tuning.")
+
+
+def check_peft_exports(cfg):
+    """The export directories can be created, and hold nothing yet: hyperacc never writes over an
+    export, and finding one only after training would lose the export (checked again when writing)."""
+    from hyperacc.training import check_output_path
+
+    for name in PEFT_OUTPUTS:
+        path = getattr(cfg.peft, name)
+        if not path:
+            continue
+        flag = f"--peft.{name}"
+        check_output_path(path, flag, directory=True)
+        full = os.path.abspath(os.path.expanduser(path))
+        if os.path.isdir(full) and os.listdir(full):
+            raise ConfigError(f"{flag}={path!r} already holds files ({sorted(os.listdir(full))[0]}, ...): the export "
+                              f"is written into a new or empty directory, never over another one. Fix: choose a new "
+                              f"{flag}, or empty that directory.")
+
+
+def check_resume_peft(cfg, checkpoint):
+    """An adapters-only checkpoint holds what was trained and nothing else: every ``peft`` option but
+    the export directories must be the checkpoint's (the LoRA shapes, targets and the base's dtype; a
+    switch between LoRA and full fine-tuning). The base itself is checked by hyperacc when the
+    checkpoint is loaded (its fingerprint, saved with the adapters)."""
+    saved = _saved_run_config(checkpoint)
+    if saved is None:
+        return
+    from config_schema import PeftConfig
+
+    defaults = dataclasses.asdict(PeftConfig())
+    old = {**defaults, **(saved.get("peft") or {})}      # a checkpoint from before --peft.*: full fine-tuning
+    new = dataclasses.asdict(cfg.peft)
+    changed = [f"peft.{k}: {old[k]!r} -> {new[k]!r}" for k in defaults if k not in PEFT_OUTPUTS and old[k] != new[k]]
+    if changed:
+        raise ConfigError(f"resuming {checkpoint} would change its fine-tuning setup ({'; '.join(changed)}): the "
+                          "checkpoint holds only what that setup trains. Fix: resume with the checkpoint's peft "
+                          "options (its config.yaml lists them; peft.export_dir and peft.merged_export_dir may "
+                          "differ), or start a new run in another --checkpoint.checkpoint_dir.")
+
+
+def _matches(name, target) -> bool:
+    """PEFT's rule for a module name in a list of ``target_modules``: the whole name or its last parts."""
+    return name == target or name.endswith("." + target)
+
+
+def check_peft_targets(cfg, model):
+    """Every ``peft.target_modules`` / ``modules_to_save`` name matches a module of ``model`` (the base
+    model, on the meta device): PEFT itself only refuses a list that matches nothing at all, so a typo
+    beside a valid name would silently train fewer adapters. (Whether PEFT can adapt a module's type is
+    PEFT's to say: `apply_peft` in train_qwen.py turns its error into a ConfigError.)"""
+    import torch
+
+    modules = {name: module for name, module in model.named_modules() if name}
+    linear = ",".join(sorted({name.rsplit(".", 1)[-1] for name, module in modules.items()
+                              if isinstance(module, torch.nn.Linear)}))
+    targets = [t.strip() for t in cfg.peft.target_modules]
+    for flag, wanted in (("target_modules", [] if targets == ["all-linear"] else targets),
+                         ("modules_to_save", [t.strip() for t in cfg.peft.modules_to_save or []])):
+        for target in wanted:
+            if not any(_matches(name, target) for name in modules):
+                raise ConfigError(f"peft.{flag}: {target!r} matches no module of {type(model).__name__} (a module "
+                                  f"matches by its name or its last dotted parts). Fix: name modules it has, e.g. its "
+                                  f"linear layers {linear}" + (", or all-linear." if flag == "target_modules" else "."))

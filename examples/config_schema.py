@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 from hyperacc.cli_config import Component, ConfigError
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
@@ -212,6 +212,64 @@ class EvalConfig:
             raise ConfigError(f"eval.eval_batch_size={self.eval_batch_size} must be >= 1.")
 
 
+# LoRA's default targets: the attention projections, which every Qwen3 (dense and MoE) has as nn.Linear.
+# PEFT's "all-linear" adds a dense model's MLP; on Qwen3-MoE it also adapts the router (LoRA on the routing
+# itself) and the fused experts, as parameters (peft 0.21), which hyperacc refuses: not a default for either.
+ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@dataclasses.dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning. ``method``: ``none`` = full fine-tuning (every other field
+    unused), ``lora`` = LoRA adapters (the ``peft`` package: ``pip install hyperacc[peft]``) on
+    ``target_modules`` (module names, or ``all-linear`` = PEFT's every linear layer but the output
+    head), rank ``r``, scaling ``alpha / r``, ``dropout`` on the adapters' input; ``modules_to_save``:
+    modules trained whole beside the adapters (e.g. ``lm_head``). The base model is frozen and stored in
+    ``base_dtype`` (None: the pretrained checkpoint's own dtype, bf16 for a randomly initialised
+    preset); the adapters (and ``modules_to_save``) in the precision recipe's dtype (``fsdp.precision``).
+    ``export_dir``: the adapters in PEFT's own format at the end of training (``PeftModel.from_pretrained``
+    loads it); ``merged_export_dir``: the base with the adapters folded in, a plain Hugging Face checkpoint.
+    Both must be new or empty directories. A resume must keep every option but the export directories."""
+
+    method: Literal["none", "lora"] = "none"
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: List[str] = dataclasses.field(default_factory=lambda: list(ATTENTION_PROJECTIONS))
+    modules_to_save: Optional[List[str]] = None
+    base_dtype: Optional[Literal["bf16", "fp32"]] = None
+    export_dir: Optional[str] = None
+    merged_export_dir: Optional[str] = None
+
+    def validate(self):
+        # `not (in range)`: NaN fails every comparison, so it is refused as well (inf too, by isfinite).
+        if self.r < 1:
+            raise ConfigError(f"peft.r={self.r} must be >= 1 (the LoRA rank). Fix: --peft.r=8")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            raise ConfigError(f"peft.alpha={self.alpha} must be a finite number > 0 (LoRA scales its update by "
+                              "alpha / r). Fix: --peft.alpha=16")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"peft.dropout={self.dropout} must be in [0, 1) (the dropout probability on the "
+                              "adapters' input). Fix: --peft.dropout=0.0 (or e.g. 0.05)")
+        names = [name.strip() for name in self.target_modules]
+        if not names or not all(names):
+            raise ConfigError(f"peft.target_modules={self.target_modules!r} must name at least one module (no empty "
+                              f"names). Fix: --peft.target_modules={','.join(ATTENTION_PROJECTIONS)} (or all-linear)")
+        if "all-linear" in names and len(names) > 1:
+            raise ConfigError(f"peft.target_modules={','.join(names)}: all-linear already targets every linear layer "
+                              "and cannot be combined with names. Fix: --peft.target_modules=all-linear, or a list "
+                              "of module names only.")
+        if self.modules_to_save is not None and not all(name.strip() for name in self.modules_to_save):
+            raise ConfigError(f"peft.modules_to_save={self.modules_to_save!r} holds an empty name. Fix: e.g. "
+                              "--peft.modules_to_save=lm_head, or null.")
+        if self.method == "none":
+            unused = [f"peft.{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                      if f.name != "method" and getattr(self, f.name) != getattr(PeftConfig(), f.name)]
+            if unused:
+                raise ConfigError(f"{unused[0]} is set but peft.method=none (full fine-tuning) does not use it. "
+                                  "Fix: --peft.method=lora to train LoRA adapters, or drop the peft options.")
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """The configuration of the training example: one section per concern."""
@@ -226,3 +284,4 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    peft: PeftConfig = dataclasses.field(default_factory=PeftConfig)

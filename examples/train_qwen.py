@@ -4,6 +4,8 @@
     accelerate launch --config_file accelerate_configs/fsdp2_8npu.yaml examples/train_qwen.py \
         examples/configs/qwen3_30b_a3b.yaml
     python examples/train_qwen.py examples/configs/qwen3_30b_a3b.yaml --training.dry_run=true
+    accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml examples/train_qwen.py \
+        --model.name_or_path=PRETRAINED_DIR --peft.method=lora --peft.export_dir=adapter   # LoRA fine-tuning
 
 Usage: train_qwen.py [CONFIG.yaml] [--section.field=value ...]   (--help lists every field)
 Without a YAML it trains the embedded default: a tiny Qwen3-MoE on the offline corpus/tokenizer.
@@ -12,6 +14,7 @@ below is all there is to the training itself.
 """
 import datetime
 import os
+import re
 import sys
 import time
 
@@ -21,8 +24,8 @@ import yaml
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 from config_checks import (MIN_TRANSFORMERS_TP_EP, check_checkpoint_start, check_model_dtype,  # noqa: E402,F401
-                           check_parallel, check_paths, check_router_aux, check_transformers_for_tp_ep,
-                           optimizer_config)
+                           check_parallel, check_paths, check_peft_exports, check_peft_installed, check_peft_layout,
+                           check_peft_targets, check_router_aux, check_transformers_for_tp_ep, optimizer_config)
 from config_schema import TrainConfig, check_batch  # noqa: E402
 from hyperacc.cli_config import ConfigError, config_file, dump_config, format_config, parse_config  # noqa: E402
 
@@ -40,6 +43,8 @@ def load_config(argv):
     config_path = config_file(TrainConfig, argv)
     cfg = parse_config(TrainConfig, None if config_path else DEFAULT_CONFIG, argv=argv)
     check_model_dtype(cfg)
+    check_peft_installed(cfg)
+    check_peft_layout(cfg)
     check_paths(cfg, config_path or DEFAULT_CONFIG)
     t, p = cfg.training, cfg.parallel
     world = t.dry_run_world_size if t.dry_run else None
@@ -72,21 +77,89 @@ def model_config(cfg, vocab_size=None):
 def build_model(cfg, vocab_size=None, accelerator=None):
     """On the meta device (random init after sharding), or, with ``accelerator``, the pretrained
     weights when present (a directory or a hub id in the local cache; each rank later reads only its
-    own shards of them in ``prepare``). Without one (planning) the pretrained config, on meta."""
+    own shards of them in ``prepare``). Without one (planning) the pretrained config, on meta.
+    With ``peft.method=lora``: the same base, frozen in ``peft.base_dtype``, under LoRA adapters."""
     from hyperacc.models import build_causal_lm, has_pretrained_weights, load_pretrained, with_router_aux_loss
     from hyperacc.precision import get_recipe
 
-    path = cfg.model.name_or_path
-    if path and accelerator is not None and has_pretrained_weights(path):
-        model = load_pretrained(path, accelerator=accelerator, dtype=get_recipe(cfg.fsdp.precision).param_dtype)
+    path, lora = cfg.model.name_or_path, cfg.peft.method == "lora"
+    pretrained = bool(path) and has_pretrained_weights(path)
+    if pretrained and accelerator is not None:
+        # Full fine-tuning: stored as the recipe says. LoRA: the frozen base in peft.base_dtype (None: the files').
+        dtype = base_dtype(cfg, None) if lora else get_recipe(cfg.fsdp.precision).param_dtype
+        model = load_pretrained(path, accelerator=accelerator, dtype=dtype)
         model.config.use_cache = False
         model.config = with_router_aux_loss(model.config, cfg.model.router_aux_loss != "off")
-        return model
+        return apply_peft(cfg, model) if lora else model
     config = model_config(cfg, vocab_size)
     moe = hasattr(config, "router_aux_loss_coef")
-    return build_causal_lm(config, meta_device=True, attn_implementation=cfg.model.attn_implementation or "eager",
-                           router_aux_loss=cfg.model.router_aux_loss != "off",
-                           experts_implementation=cfg.model.experts_implementation if moe else None)
+    model = build_causal_lm(config, meta_device=True, attn_implementation=cfg.model.attn_implementation or "eager",
+                            router_aux_loss=cfg.model.router_aux_loss != "off",
+                            experts_implementation=cfg.model.experts_implementation if moe else None)
+    if not lora:
+        return model
+    from hyperacc.sharding import cast_parameters
+
+    # The base as training will store it: the pretrained files' dtype (planning), else bf16 (random init).
+    cast_parameters(model, base_dtype(cfg, config if pretrained else None, random_base=not pretrained))
+    return apply_peft(cfg, model)
+
+
+def base_dtype(cfg, config, *, random_base=False):
+    """The frozen base's dtype under LoRA: ``peft.base_dtype``, else the pretrained checkpoint's own
+    (None with ``config`` None: `load_pretrained` reads it from the files; else ``config.dtype``), or
+    bf16 for a randomly initialised base."""
+    import torch
+
+    if cfg.peft.base_dtype is not None:
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.peft.base_dtype]
+    if random_base:
+        return torch.bfloat16
+    if config is None:
+        return None
+    dtype = getattr(config, "dtype", None) or torch.float32     # as load_pretrained reads it
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def lora_config(cfg):
+    """``peft.LoraConfig`` of the ``peft`` section (a causal LM; ``all-linear`` as PEFT means it)."""
+    from peft import LoraConfig, TaskType
+
+    p = cfg.peft
+    targets = [t.strip() for t in p.target_modules]
+    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout,
+                      target_modules="all-linear" if targets == ["all-linear"] else targets,
+                      modules_to_save=[m.strip() for m in p.modules_to_save] if p.modules_to_save else None)
+
+
+def apply_peft(cfg, model):
+    """``model`` (the base, on the meta device) under LoRA adapters: a ``peft.PeftModel`` whose base is
+    frozen; ``prepare`` shards it like any model. A target that matches no module, or one PEFT cannot
+    adapt, is one ConfigError."""
+    from peft import get_peft_model
+
+    from hyperacc.integrations.peft import check_layout
+
+    check_peft_targets(cfg, model)
+    try:
+        model = get_peft_model(model, lora_config(cfg))
+    except (ValueError, TypeError) as err:
+        # PEFT names a module it cannot adapt by its whole repr: its class name says enough.
+        text = re.sub(r"Target module (\w+)\(.*?\) is not supported", r"Target module \1 is not supported",
+                      str(err), flags=re.S)
+        raise ConfigError(f"peft: PEFT refuses this LoRA setup on {type(model).__name__}: {' '.join(text.split())} "
+                          "Fix: change --peft.target_modules / --peft.modules_to_save as named.") from None
+    try:
+        check_layout(model, cfg.parallel.tp_size or 1, cfg.parallel.ep_size or 1)     # what prepare() refuses
+    except NotImplementedError as err:
+        raise ConfigError(f"peft: {' '.join(str(err).split())}") from None
+    return model
+
+
+def check_peft_model(cfg, vocab_size):
+    """preflight: the LoRA setup applies to the model (built on the meta device: no memory)."""
+    if cfg.peft.method != "none":
+        build_model(cfg, vocab_size=vocab_size)
 
 
 def memory_plan(cfg, world_size, vocab_size=None, device_type="cuda"):
@@ -167,6 +240,7 @@ def preflight(cfg, world_size):
 
     collect(check_output_path, log.metrics_file, "--logging.metrics_file", directory=False)
     collect(check_output_path, log.tensorboard_dir, "--logging.tensorboard_dir", directory=True)
+    collect(check_peft_exports, cfg)
     if ck.save_ckpt:
         collect(check_output_path, ck.checkpoint_dir, "--checkpoint.checkpoint_dir", directory=True)
     collect(check_dataset_path, cfg.data.dataset)
@@ -180,6 +254,8 @@ def preflight(cfg, world_size):
         if config is not None:
             collect(check_model_config, config, tokenizer_size=len(tokenizer))
             collect(check_router_aux, cfg, config)
+            if not problems:
+                collect(check_peft_model, cfg, len(tokenizer))
         if cfg.training.device_memory_gb is not None and not problems:
             from hyperacc.runtime import detect_device_type
             collect(lambda: check_fits(cfg, memory_plan(cfg, world_size, len(tokenizer), detect_device_type())))
@@ -283,6 +359,12 @@ def run_job(cfg, tokenizer, acc):
     train_ds, eval_ds = build_data(cfg, acc, tokenizer)
     heartbeat.phase = "prepare"
     model = build_model(cfg, vocab_size=len(tokenizer), accelerator=acc)
+    if cfg.peft.method != "none":
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        acc.print(f"peft: {cfg.peft.method} r={cfg.peft.r} alpha={cfg.peft.alpha:g} on "
+                  f"{','.join(cfg.peft.target_modules)}: {trainable:,} trainable of {total:,} parameters "
+                  f"({100 * trainable / max(total, 1):.2f} %)")
     optimizer = optimizer_config(cfg).build(param_groups(model, cfg.optimizer.get("weight_decay", 0.0)))
     scheduler = lr_lambda_scheduler(optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.max_steps)
     loader = hyperacc.MicroBatchDataLoader(train_ds, global_batch_size=t.global_batch_size,
@@ -293,6 +375,7 @@ def run_job(cfg, tokenizer, acc):
     heartbeat.phase = "load_state"
     if acc.load_state() is not None:          # checkpoint.restore_from: a path or LATEST
         acc.print(f"resumed at step {acc.progress.global_step} (epoch {acc.progress.epoch})")
+    last_saved = acc.progress.global_step     # a resumed step counts as saved
     heartbeat.phase = "training"
 
     # Metrics, housekeeping, checks.
@@ -345,6 +428,7 @@ def run_job(cfg, tokenizer, acc):
                     run_eval(step)
                 if acc.step_end():                 # saved (checkpoint.save_steps / save_epochs): the
                     metrics.flush()                # JSONL then holds every step the checkpoint holds
+                    last_saved = step
                 if step >= t.max_steps:
                     break
 
@@ -355,8 +439,28 @@ def run_job(cfg, tokenizer, acc):
         if eval_every and step % eval_every != 0:
             run_eval(step)                         # the final evaluation
     cleanup.close()
+    if cfg.peft.export_dir or cfg.peft.merged_export_dir:
+        if cfg.checkpoint.save_ckpt and step > last_saved:
+            heartbeat.phase = "the final save"
+            acc.save_state()                   # first: an export that fails then costs no training
+        heartbeat.phase = "the PEFT exports"
+        export_peft(cfg, acc, model)
     heartbeat.phase = "the final save"
     acc.end_training()                         # final save per the policy, process group down
+
+
+def export_peft(cfg, acc, model):
+    """Collective: the adapters in PEFT's format (``peft.export_dir``) and/or the base with the adapters
+    merged, a plain Hugging Face checkpoint (``peft.merged_export_dir``); every rank writes its share."""
+    from hyperacc.integrations.peft import export_adapter, export_merged
+
+    group = acc.runtime.cpu_group
+    if cfg.peft.export_dir:
+        export_adapter(model, cfg.peft.export_dir, group=group)
+        acc.print(f"adapter exported to {cfg.peft.export_dir} (peft.PeftModel.from_pretrained(base, dir) loads it)")
+    if cfg.peft.merged_export_dir:
+        export_merged(model, cfg.peft.merged_export_dir, group=group)
+        acc.print(f"merged model exported to {cfg.peft.merged_export_dir} (transformers' from_pretrained loads it)")
 
 
 def _exit_with(prefix, err, code):

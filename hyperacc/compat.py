@@ -222,6 +222,17 @@ def add_script_conveniences(model: torch.nn.Module, accelerator) -> None:
 
 
 def _save_pretrained_full(model, accelerator, *args, state_dict=None, **kwargs):
-    if state_dict is None:
+    from hyperacc.integrations import peft
+
+    if peft.is_peft_model(model):
+        # PEFT filters the adapters out of the state dict on every rank, even where it writes nothing
+        # (accelerate's get_state_dict is empty there: KeyError): only the main process calls it.
+        if state_dict is None:
+            from hyperacc.integrations.peft_export import adapter_state_dict
+
+            state_dict = adapter_state_dict(model)      # collective, adapters only
+        if not kwargs.get("is_main_process", accelerator.is_main_process):
+            return None
+    elif state_dict is None:
         state_dict = accelerator.get_state_dict(model)
     return type(model).save_pretrained(model, *args, state_dict=state_dict, **kwargs)

@@ -203,3 +203,21 @@ def test_adapters_built_before_seeding_are_rank0s_on_every_replica():
     proc = run_torchrun(REPO / "tests" / "scripts" / "peft_init_ranks.py", 2, timeout=300)
     result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert result["replicas_equal"] and result["is_rank0_init"], result
+
+
+def test_tied_head_copy_is_read_through_the_tie(tmp_path):
+    """A tied checkpoint holds no lm_head.weight; a modules_to_save copy of the (tied) head starts as
+    the embedding matrix, as PEFT makes it from from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    from hyperacc.models import load_pretrained
+
+    AutoModelForCausalLM.from_config(tiny_config(tie_word_embeddings=True)).save_pretrained(tmp_path / "base")
+    acc = hyperacc.Accelerator(seed=1, checkpoint=hyperacc.CheckpointConfig(save_ckpt=False))
+    model = acc.prepare(peft.get_peft_model(load_pretrained(str(tmp_path / "base"), accelerator=acc),
+                                            lora(modules_to_save=["lm_head"])))
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                    lora(modules_to_save=["lm_head"]))
+    copy = model.base_model.model.lm_head.modules_to_save.default.weight
+    expected = reference.base_model.model.lm_head.modules_to_save.default.weight
+    assert torch.equal(copy.full_tensor() if hasattr(copy, "full_tensor") else copy, expected.float())

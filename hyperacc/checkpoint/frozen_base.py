@@ -36,7 +36,13 @@ def _copies(tensor: torch.Tensor, world: int) -> int:
 
 
 def _frozen(model: nn.Module) -> List[tuple]:
-    return [(name, p) for name, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()]
+    """(key, parameter) of the frozen floating parameters; a PEFT model's by their base checkpoint
+    key, so that a changed adapter configuration is not mistaken for another base."""
+    from hyperacc.integrations.peft import base_names, is_peft_model
+
+    keys = base_names(model) if is_peft_model(model) else {}
+    return [(keys.get(name) or name, p) for name, p in model.named_parameters()
+            if not p.requires_grad and p.is_floating_point()]
 
 
 @torch.no_grad()

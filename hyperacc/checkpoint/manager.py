@@ -18,6 +18,7 @@ from hyperacc.checkpoint.lock import DirLock, lock_shared
 from hyperacc.checkpoint.policy import SavePolicy
 from hyperacc.checkpoint.timing import PhaseClock
 from hyperacc.config import CheckpointConfig
+from hyperacc.sharding import reshard
 
 logger = logging.getLogger("hyperacc.checkpoint")
 
@@ -233,12 +234,15 @@ class Checkpointer:
         clock = PhaseClock()
         models = buckets.as_list(state.models)
         optimizers = buckets.as_list(state.optimizers) if cfg.restore_optimizer else []
+        for model in models:      # an evaluation forward leaves units unsharded: read the sharded parameters
+            reshard(model)
         owners = [buckets.optimizer_owner(models, i, len(optimizers)) for i in range(len(optimizers))]
         live_groups = [optim_state.group_names(o, opt) for o, opt in zip(owners, optimizers)]
         peft = buckets.adapters_only(cfg, models)
         base = frozen_base.for_models(models, self.cpu_group) if peft else None     # fresh: checked as it is now
         templates = [buckets.model_state(m, trainable_only=peft) for m in models]
-        model_keys = [[f"{buckets.model_key(i)}.{k}" for k in t] for i, t in enumerate(templates)]
+        model_keys = [{f"{buckets.model_key(i)}.{k}": tuple(v.shape) for k, v in t.items()}   # key -> shape
+                      for i, t in enumerate(templates)]
         path = self._trusted_checkpoint(source)
         clock.lap("verify")
         if path is None:

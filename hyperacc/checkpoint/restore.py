@@ -74,6 +74,33 @@ def _mismatch_hint(sentinel: dict, adapters_only: bool) -> str:
 
 
 
+def _check_shapes(path: str, model_keys, available) -> None:
+    """A tensor of another shape (another model size, another LoRA rank): one line, before DCP's own error."""
+    for keys in model_keys:
+        if not isinstance(keys, dict):
+            continue
+        for key, shape in keys.items():
+            saved = tuple(getattr(available[key], "size", shape))
+            if saved != tuple(shape):
+                raise RuntimeError(f"checkpoint {path}: model key {key} has shape {list(saved)} there and {list(shape)} "
+                                   "in this model (another model size, or another adapter rank r): restore into the "
+                                   "configuration that saved it.")
+
+
+def _refuse_unused_adapters(path: str, model_keys, available) -> None:
+    """Adapters the checkpoint holds and this model has no place for would be dropped silently
+    (a resume with fewer target modules): refused."""
+    live = {k for keys in model_keys for k in keys}
+    prefixes = {k.split(".", 1)[0] + "." for k in live}
+    unused = sorted(k for k in available if any(k.startswith(p) for p in prefixes) and k not in live
+                    and hasattr(available[k], "size"))
+    if unused:
+        raise RuntimeError(f"checkpoint {path} holds trained tensor(s) this model has no place for: {unused[0]}"
+                           f"{f' (and {len(unused) - 1} more)' if len(unused) > 1 else ''} (another adapter "
+                           "configuration: target_modules or modules_to_save changed?). Resume with the PEFT "
+                           "config that saved it.")
+
+
 def plan_load(cfg, path: str, model_keys, live_groups: List[List[List[str]]], state, *,
               adapters_only: bool = False, frozen: Optional[list] = None) -> dict:
     """Rank 0: check everything that could fail, before any collective. ``live_groups``: per
@@ -86,8 +113,11 @@ def plan_load(cfg, path: str, model_keys, live_groups: List[List[List[str]]], st
     if missing:
         raise RuntimeError(f"missing model key(s) in checkpoint {path}: {missing[:8]}"
                            f"{' ...' if len(missing) > 8 else ''} ({_mismatch_hint(sentinel, adapters_only)}).")
-    if adapters_only and frozen is not None:
-        frozen_base.check(path, sentinel.get("frozen_base"), frozen)
+    _check_shapes(path, model_keys, available)
+    if adapters_only:
+        _refuse_unused_adapters(path, model_keys, available)
+        if frozen is not None:
+            frozen_base.check(path, sentinel.get("frozen_base"), frozen)
     if sentinel.get("contents") == "model":
         # A model-only checkpoint (`convert from-hf`): where a run starts, not where one resumes.
         logger.info("%s holds weights only: optimizer, schedule, loader and progress start fresh.", path)

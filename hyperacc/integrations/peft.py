@@ -155,10 +155,10 @@ def _injectable_config(config):
 
 def _refuse_weight_dependent_init(config, adapter: str) -> None:
     init = getattr(config, "init_lora_weights", True)
-    if not isinstance(init, bool) and str(init).lower() != "gaussian":
+    if not isinstance(init, bool) and str(init).lower() not in ("gaussian", "orthogonal"):
         raise ValueError(f"adapter {adapter!r}: init_lora_weights={init!r} is computed from the base weights, which a "
                          "model on the meta device does not have yet. Fix: build the PEFT model on a real device "
-                         "(load the base with accelerator=None), or use init_lora_weights=True/'gaussian'.")
+                         "(load the base with accelerator=None), or use init_lora_weights=True/'gaussian'/'orthogonal'.")
 
 
 def initial_adapter_values(model: nn.Module, seed: int) -> Dict[str, torch.Tensor]:

@@ -76,12 +76,18 @@ def plan(model: nn.Module, files: WeightFiles) -> Dict[str, List[layout.Piece]]:
     non_persistent = _non_persistent(model)
     tensors.update({n: b for n, b in model.named_buffers() if n not in non_persistent})
     keys = checkpoint_keys(model)
+    # Tied keys (lm_head -> embed_tokens): a file holds one of them; a PEFT modules_to_save copy of a
+    # tied head is not tied itself, so it is read through its original's tie.
+    tied_keys = {keys.get(alias) or alias: keys.get(kept) or kept for alias, kept in layout.aliases(model).items()}
     out, missing = {}, []
     for name, tensor in tensors.items():
-        if keys.get(name, name) is None:
+        key = keys.get(name, name)
+        if key is None:
             continue
+        if key not in files.entries and tied_keys.get(key) in files.entries:
+            key = tied_keys[key]
         try:
-            out[name] = layout.load_pieces(keys.get(name, name), tuple(tensor.shape), files.shape)
+            out[name] = layout.load_pieces(key, tuple(tensor.shape), files.shape)
         except KeyError as err:
             missing.append((name, err.args[0]))
         except ValueError as err:
@@ -94,7 +100,7 @@ def plan(model: nn.Module, files: WeightFiles) -> Dict[str, List[layout.Piece]]:
                            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; it is not a {arch} "
                            "checkpoint of this config (another architecture?), or its files are incomplete.")
     used = {piece.key for pieces in out.values() for piece in pieces}
-    tied = {keys.get(n) or n for n in layout.aliases(model)}
+    tied = set(tied_keys)
     unexpected = [k for k in files.entries if k not in used and k not in tied and not layout.ignorable(k, model)]
     if unexpected:
         raise WeightsError(f"{files.directory}: key {unexpected[0]!r} in the checkpoint matches no parameter of "
