@@ -14,7 +14,6 @@ below is all there is to the training itself.
 """
 import datetime
 import os
-import re
 import sys
 import time
 
@@ -25,8 +24,9 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.
 
 from config_checks import (MIN_TRANSFORMERS_TP_EP, check_checkpoint_start, check_model_dtype,  # noqa: E402,F401
                            check_parallel, check_paths, check_peft_exports, check_peft_installed, check_peft_layout,
-                           check_peft_targets, check_router_aux, check_transformers_for_tp_ep, optimizer_config)
+                           check_router_aux, check_transformers_for_tp_ep, optimizer_config)
 from config_schema import TrainConfig, check_batch  # noqa: E402
+from lora_setup import apply_peft, base_dtype, export_peft  # noqa: E402
 from hyperacc.cli_config import ConfigError, config_file, dump_config, format_config, parse_config  # noqa: E402
 
 LINGER_S = 3.0   # see _exit_with
@@ -103,57 +103,6 @@ def build_model(cfg, vocab_size=None, accelerator=None):
     # The base as training will store it: the pretrained files' dtype (planning), else bf16 (random init).
     cast_parameters(model, base_dtype(cfg, config if pretrained else None, random_base=not pretrained))
     return apply_peft(cfg, model)
-
-
-def base_dtype(cfg, config, *, random_base=False):
-    """The frozen base's dtype under LoRA: ``peft.base_dtype``, else the pretrained checkpoint's own
-    (None with ``config`` None: `load_pretrained` reads it from the files; else ``config.dtype``), or
-    bf16 for a randomly initialised base."""
-    import torch
-
-    if cfg.peft.base_dtype is not None:
-        return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.peft.base_dtype]
-    if random_base:
-        return torch.bfloat16
-    if config is None:
-        return None
-    dtype = getattr(config, "dtype", None) or torch.float32     # as load_pretrained reads it
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
-
-def lora_config(cfg):
-    """``peft.LoraConfig`` of the ``peft`` section (a causal LM; ``all-linear`` as PEFT means it)."""
-    from peft import LoraConfig, TaskType
-
-    p = cfg.peft
-    targets = [t.strip() for t in p.target_modules]
-    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout,
-                      target_modules="all-linear" if targets == ["all-linear"] else targets,
-                      modules_to_save=[m.strip() for m in p.modules_to_save] if p.modules_to_save else None)
-
-
-def apply_peft(cfg, model):
-    """``model`` (the base, on the meta device) under LoRA adapters: a ``peft.PeftModel`` whose base is
-    frozen; ``prepare`` shards it like any model. A target that matches no module, or one PEFT cannot
-    adapt, is one ConfigError."""
-    from peft import get_peft_model
-
-    from hyperacc.integrations.peft import check_layout
-
-    check_peft_targets(cfg, model)
-    try:
-        model = get_peft_model(model, lora_config(cfg))
-    except (ValueError, TypeError) as err:
-        # PEFT names a module it cannot adapt by its whole repr: its class name says enough.
-        text = re.sub(r"Target module (\w+)\(.*?\) is not supported", r"Target module \1 is not supported",
-                      str(err), flags=re.S)
-        raise ConfigError(f"peft: PEFT refuses this LoRA setup on {type(model).__name__}: {' '.join(text.split())} "
-                          "Fix: change --peft.target_modules / --peft.modules_to_save as named.") from None
-    try:
-        check_layout(model, cfg.parallel.tp_size or 1, cfg.parallel.ep_size or 1)     # what prepare() refuses
-    except NotImplementedError as err:
-        raise ConfigError(f"peft: {' '.join(str(err).split())}") from None
-    return model
 
 
 def check_peft_model(cfg, vocab_size):
@@ -447,20 +396,6 @@ def run_job(cfg, tokenizer, acc):
         export_peft(cfg, acc, model)
     heartbeat.phase = "the final save"
     acc.end_training()                         # final save per the policy, process group down
-
-
-def export_peft(cfg, acc, model):
-    """Collective: the adapters in PEFT's format (``peft.export_dir``) and/or the base with the adapters
-    merged, a plain Hugging Face checkpoint (``peft.merged_export_dir``); every rank writes its share."""
-    from hyperacc.integrations.peft import export_adapter, export_merged
-
-    group = acc.runtime.cpu_group
-    if cfg.peft.export_dir:
-        export_adapter(model, cfg.peft.export_dir, group=group)
-        acc.print(f"adapter exported to {cfg.peft.export_dir} (peft.PeftModel.from_pretrained(base, dir) loads it)")
-    if cfg.peft.merged_export_dir:
-        export_merged(model, cfg.peft.merged_export_dir, group=group)
-        acc.print(f"merged model exported to {cfg.peft.merged_export_dir} (transformers' from_pretrained loads it)")
 
 
 def _exit_with(prefix, err, code):
