@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 RELATIVE_TOLERANCE = 1e-9
-CHUNK = 1 << 24         # elements converted to float64 at a time (128 MiB)
+CHUNK = 1 << 20         # elements converted to float64 at a time (8 MiB)
 
 
 def _copies(tensor: torch.Tensor, world: int) -> int:
@@ -60,7 +60,7 @@ def fingerprint(model: nn.Module, group=None) -> Dict[str, List[float]]:
         for start in range(0, flat.numel(), CHUNK):      # float64 on the host, a chunk at a time
             values = flat[start:start + CHUNK].to("cpu", torch.float64)
             local[row, 1] += values.sum()
-            local[row, 2] += values.square().sum()
+            local[row, 2] += values.square_().sum()
         local[row] *= 1.0 / copies
         local[row, 0] = flat.numel() / copies
     if dist.is_initialized() and world > 1:
