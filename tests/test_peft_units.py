@@ -221,3 +221,28 @@ def test_tied_head_copy_is_read_through_the_tie(tmp_path):
     copy = model.base_model.model.lm_head.modules_to_save.default.weight
     expected = reference.base_model.model.lm_head.modules_to_save.default.weight
     assert torch.equal(copy.full_tensor() if hasattr(copy, "full_tensor") else copy, expected.float())
+
+
+def _prepared_lora(tmp_path, name, **lora_kwargs):
+    acc = hyperacc.Accelerator(seed=5, checkpoint=hyperacc.CheckpointConfig(checkpoint_dir=str(tmp_path / name)))
+    model = peft.get_peft_model(base_model(), lora(**lora_kwargs))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optimizer = acc.prepare(model, optimizer)
+    return acc, model
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(r=8), r"has shape \[4, 64\] there and \[8, 64\] in this model"),
+    (dict(target_modules=["q_proj"]), r"holds trained tensor\(s\) this model has no place for: .*v_proj\.lora_"),
+    (dict(target_modules=["q_proj", "v_proj", "k_proj"]), r"missing model key.*k_proj\.lora_"),
+])
+def test_resume_under_another_adapter_configuration_is_refused(tmp_path, change, message):
+    """Another rank, fewer or more target modules: one RuntimeError naming it, never adapters
+    dropped or half-loaded (the same base, so the fingerprint agrees)."""
+    acc, _ = _prepared_lora(tmp_path, "saved")
+    path = acc.save_state()
+    acc, model = _prepared_lora(tmp_path, "resumed", **change)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    with pytest.raises(RuntimeError, match=message):
+        acc.load_state(path)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
