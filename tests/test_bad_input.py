@@ -1,13 +1,13 @@
 """Bad input is one ConfigError naming the problem and the fix, found before any process group exists,
 and never touching a config, checkpoint or data file. In-process (load_config / preflight / the check
 functions) except one plain-python run of the example for the exit code and the untouched config."""
-import importlib.util
 import math
 import re
 
 import pytest
 import torch
 
+from example_utils import config_error, load_example  # noqa: E402
 from dist_utils import REPO, run_python
 from hyperacc.cli_config import Component, ConfigError
 from hyperacc.training import check_optimizer
@@ -17,20 +17,10 @@ SCRIPT = REPO / "examples" / "train_qwen.py"
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("train_qwen_bad_input", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_qwen_bad_input")
 
 
-def _config_error(example, args, *, preflight=False):
-    with pytest.raises(ConfigError) as info:
-        cfg, world = example.load_config(list(map(str, args)))
-        if preflight:
-            example.preflight(cfg, world)
-    message = str(info.value)
-    assert "\n" not in message and "Fix" in message, message
-    return message
+_config_error = config_error
 
 
 # ------------------------------------------------------------------- 1, 2 and siblings: non-finite numbers

@@ -9,7 +9,6 @@ bf16 directory with modules_to_save and the merged export, and a resume compared
 uninterrupted run.
 """
 import dataclasses
-import importlib.util
 import json
 import math
 import sys
@@ -19,8 +18,8 @@ import torch
 
 pytest.importorskip("peft")
 
+from example_utils import config_error, load_example  # noqa: E402
 from dist_utils import REPO, run_accelerate  # noqa: E402
-from hyperacc.cli_config import ConfigError  # noqa: E402
 from hyperacc.models import build_causal_lm, qwen3_moe_config  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
@@ -31,20 +30,10 @@ TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("train_qwen_peft", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_qwen_peft")
 
 
-def _config_error(example, args, *, preflight=False):
-    with pytest.raises(ConfigError) as info:
-        cfg, world = example.load_config(list(map(str, args)))
-        if preflight:
-            example.preflight(cfg, world)
-    message = str(info.value)
-    assert "\n" not in message and "Fix" in message, message
-    return message
+_config_error = config_error
 
 
 def _launch(args, check=True):

@@ -253,16 +253,20 @@ def write_values(model: nn.Module, values: Dict[str, torch.Tensor]) -> None:
         _copy_into(tensors[name], value.to(tensors[name].dtype))
 
 
+def copy_wrappers(model: nn.Module) -> List[nn.Module]:
+    """Every ``modules_to_save`` wrapper of a PEFT model (an original module and its trainable
+    copies); [] for any other model."""
+    if not is_peft_model(model):
+        return []
+    _, wrapper = _tuner_classes()
+    return [m for m in model.modules() if isinstance(m, wrapper) and hasattr(m, "modules_to_save")]
+
+
 @torch.no_grad()
 def copy_modules_to_save(model: nn.Module) -> None:
     """After random initialisation of a meta-device PEFT model: each trainable copy of a
     ``modules_to_save`` module starts as the original, as PEFT makes it."""
-    if not is_peft_model(model):
-        return
-    _, wrapper = _tuner_classes()
-    for module in model.modules():
-        if not isinstance(module, wrapper) or not hasattr(module, "modules_to_save"):
-            continue
+    for module in copy_wrappers(model):
         originals = dict(module.original_module.named_parameters())
         for copy_module in module.modules_to_save.values():
             for key, tensor in copy_module.named_parameters():

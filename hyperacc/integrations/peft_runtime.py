@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from hyperacc.integrations.peft import _tuner_classes, is_peft_model
+from hyperacc.integrations.peft import copy_wrappers, is_peft_model
 
 
 def _first_float(module: nn.Module) -> Optional[torch.dtype]:
@@ -36,12 +36,7 @@ def match_copy_dtypes(model: nn.Module) -> None:
     """A ``modules_to_save`` copy stored in the recipe's dtype (fp32 master weights) beside a frozen
     bf16 base: its inputs are cast to its own dtype and its output back to the original module's,
     as PEFT's adapters do, so the layers around it see the dtype they expect."""
-    if not is_peft_model(model):
-        return
-    _, wrapper = _tuner_classes()
-    for module in model.modules():
-        if not isinstance(module, wrapper) or not hasattr(module, "modules_to_save"):
-            continue
+    for module in copy_wrappers(model):
         base_dtype = _first_float(module.original_module)
         for copy_module in module.modules_to_save.values():
             if _first_float(copy_module) in (None, base_dtype):
