@@ -1,8 +1,8 @@
 """examples/train_qwen.py with LoRA (--peft.*) and the dry-run planner with a PEFT model.
 
-Two 2-process `accelerate launch` runs (one module fixture) serve the end-to-end checks: LoRA on the
-tiny default from a random bf16 base, saving at steps 2 and 4 and exporting the adapter; then a
-resume from LATEST to step 6 with another export directory. Everything else runs in this process:
+One 2-process `accelerate launch` run (a module fixture) serves the end-to-end checks: LoRA on the
+tiny default from a random bf16 base, saving at steps 2 and 4 and exporting the adapter; the slow set
+resumes it from LATEST to step 6 with another export directory. Everything else runs in this process:
 the config checks (load_config / preflight / the check functions, as tests/test_bad_input.py does),
 the example's dry run, and plan_sharding on a PEFT model. The slow set adds LoRA from a pretrained
 bf16 directory with modules_to_save and the merged export, and a resume compared with an
@@ -70,6 +70,12 @@ def lora_run(tmp_path_factory):
               "--checkpoint.save_steps=2", f"--lr_scheduler.total_steps={STEPS}",
               f"--logging.metrics_file={out / 'metrics.jsonl'}"]
     first = _launch(common + [f"--training.max_steps={STOP}", f"--peft.export_dir={out / 'adapter'}"])
+    return out, common, first, None
+
+
+@pytest.fixture(scope="module")
+def lora_resumed(lora_run):
+    out, common, first, _ = lora_run
     # The export directory may change on resume (it is an output, not part of the setup).
     second = _launch(common + [f"--training.max_steps={STEPS}", "--checkpoint.restore_from=LATEST",
                                f"--peft.export_dir={out / 'adapter_resumed'}"])
@@ -105,8 +111,9 @@ def test_adapter_export_loads_with_peft_and_is_the_checkpoint(lora_run):
         assert exported[name].dtype == torch.float32 and torch.equal(exported[name], value), name
 
 
-def test_resume_continues_and_exports_again(lora_run):
-    out, _, first, second = lora_run
+@pytest.mark.slow   # a second launch (the SIGKILL resume of the library is in the default set: test_peft.py)
+def test_resume_continues_and_exports_again(lora_resumed):
+    out, _, first, second = lora_resumed
     assert "resumed at step 4" in second.stdout, second.stdout[-2000:]
     rows = _records(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -125,8 +132,8 @@ def test_resume_refuses_another_peft_setup(example, lora_run):
 
 
 @pytest.mark.slow   # a third launch: the uninterrupted run the resume must match
-def test_resume_matches_an_uninterrupted_run(lora_run, tmp_path):
-    out, _, _, _ = lora_run
+def test_resume_matches_an_uninterrupted_run(lora_resumed, tmp_path):
+    out, _, _, _ = lora_resumed
     _launch(["--peft.method=lora", f"--lr_scheduler.total_steps={STEPS}", f"--training.max_steps={STEPS}",
              f"--logging.metrics_file={tmp_path / 'metrics.jsonl'}"])
     straight = {r["step"]: r["loss"] for r in _records(tmp_path / "metrics.jsonl")}

@@ -193,6 +193,7 @@ def test_convert_refuses_an_adapters_only_checkpoint(prepared, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow   # 2 processes; HSDP replicas of a seeded PEFT model are in the default set (test_peft.py)
 def test_adapters_built_before_seeding_are_rank0s_on_every_replica():
     """PEFT draws adapter init from the global RNG: built before the Accelerator, each rank's differs.
     prepare() broadcasts rank 0's, so HSDP replicas start identical (they diverged from step 0 before)."""
