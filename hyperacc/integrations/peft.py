@@ -107,10 +107,9 @@ def adapter_tensor_names(model: nn.Module) -> set:
 
 # --------------------------------------------------------------------------- checks before any collective
 def check_layout(model: nn.Module, tp_size: int, ep_size: int) -> None:
-    """Adapters on parameters (``target_parameters``) are refused, and adapters under tensor and
-    expert parallelism, in one line (their exactness there is
-    not proven: a LoRA A of a column-parallel layer is replicated, its B sharded, PEFT's own TP
-    support assumes another mesh)."""
+    """Refuse, in one line, what is not proven exact: adapters on parameters (``target_parameters``)
+    and adapters under tensor or expert parallelism (a LoRA A of a column-parallel layer would be
+    replicated and its B sharded; PEFT's own TP support assumes another mesh)."""
     if not is_peft_model(model):
         return
     wrapped = [name for name, layer in tuner_layers(model) if type(layer).__name__ == "ParamWrapper"]
@@ -118,7 +117,8 @@ def check_layout(model: nn.Module, tp_size: int, ep_size: int) -> None:
         raise NotImplementedError(
             f"{wrapped[0]}: adapters on parameters (LoraConfig.target_parameters, e.g. fused MoE experts) are not "
             "supported by hyperacc (PEFT applies them as parametrizations of the sharded parameters; neither their "
-            "initialisation on the meta device nor their gradients under FSDP2 are proven). Fix: target modules (target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj', ...]).")
+            "initialisation on the meta device nor their gradients under FSDP2 are proven). Fix: target modules "
+            "(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj', ...]).")
     for size, what in ((tp_size, "tp_size"), (ep_size, "ep_size")):
         if size > 1:
             raise NotImplementedError(
@@ -189,7 +189,8 @@ def initial_adapter_values(model: nn.Module, seed: int) -> Dict[str, torch.Tenso
             made = _own_tensors(holder.get_submodule(path))
             for key, tensor in own.items():
                 if tensor.is_meta and key in made and f".{adapter}" in f".{key}":
-                    values[f"{name}.{key}"] = made[key].detach().to(torch.float32)
+                    value = made[key].detach()
+                    values[f"{name}.{key}"] = value.float() if value.is_floating_point() else value
     names = base_names(model)
     missing = [n for n, p in model.named_parameters() if p.is_meta and names.get(n, "") is None and n not in values]
     if missing:
@@ -222,8 +223,8 @@ def broadcast_adapters(model: nn.Module, device: torch.device) -> None:
     """Collective: rank 0's values of every adapter tensor that exists (is not on the meta device)
     on every rank, before sharding. PEFT initialises adapters from the global RNG: a PEFT model built
     before the Accelerator seeded every rank alike would otherwise shard a different initialisation
-    on each rank (and HSDP replicas would disagree from step 0). One broadcast, in float64 (exact
-    for every floating dtype a parameter has)."""
+    on each rank (and HSDP replicas would disagree from step 0). One broadcast per dtype (usually
+    one), in that dtype: exact, and nothing a backend might lack (float64 on some NPUs)."""
     import torch.distributed as dist
 
     if not is_peft_model(model) or not dist.is_initialized() or dist.get_world_size() == 1:
@@ -232,12 +233,14 @@ def broadcast_adapters(model: nn.Module, device: torch.device) -> None:
     tensors = [p for n, p in model.named_parameters() if n in names and not p.is_meta and p.is_floating_point()]
     if not tensors:
         return
-    flat = torch.cat([t.detach().reshape(-1).to(device, torch.float64) for t in tensors])
-    dist.broadcast(flat, src=0)
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset:offset + tensor.numel()].view(tensor.shape))
-        offset += tensor.numel()
+    for dtype in sorted({t.dtype for t in tensors}, key=str):        # the same order on every rank
+        group = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        for tensor in group:
+            tensor.copy_(flat[offset:offset + tensor.numel()].view(tensor.shape))
+            offset += tensor.numel()
 
 
 @torch.no_grad()
