@@ -115,8 +115,8 @@ def check_layout(model: nn.Module, tp_size: int, ep_size: int) -> None:
     wrapped = [name for name, layer in tuner_layers(model) if type(layer).__name__ == "ParamWrapper"]
     if wrapped:
         raise NotImplementedError(
-            f"{wrapped[0]}: adapters on parameters (LoraConfig.target_parameters, e.g. fused MoE experts) are not "
-            "supported by hyperacc (PEFT applies them as parametrizations of the sharded parameters; neither their "
+            f"{wrapped[0]}: adapters on parameters (LoraConfig.target_parameters, or a target module PEFT adapts "
+            "through its parameters, e.g. Qwen3-MoE's router 'gate' or fused experts) are not supported by hyperacc (PEFT applies them as parametrizations of the sharded parameters; neither their "
             "initialisation on the meta device nor their gradients under FSDP2 are proven). Fix: target modules "
             "(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj', ...]).")
     for size, what in ((tp_size, "tp_size"), (ep_size, "ep_size")):
