@@ -11,15 +11,10 @@ from typing import Dict, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hyperacc.integrations.peft import (ADAPTER_WEIGHTS_FILE, _layer_adapters, _own_tensors, _tuner_classes,
                                         adapter_tensor_names, base_names, tuner_layers)
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """Collective for a DTensor: every rank must call it in the same order."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+from hyperacc.weights.export import _full      # collective for a DTensor: every rank, same order
 
 
 def adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
