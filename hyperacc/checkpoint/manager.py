@@ -239,7 +239,6 @@ class Checkpointer:
         owners = [buckets.optimizer_owner(models, i, len(optimizers)) for i in range(len(optimizers))]
         live_groups = [optim_state.group_names(o, opt) for o, opt in zip(owners, optimizers)]
         peft = buckets.adapters_only(cfg, models)
-        base = frozen_base.for_models(models, self.cpu_group) if peft else None     # fresh: checked as it is now
         templates = [buckets.model_state(m, trainable_only=peft) for m in models]
         model_keys = [{f"{buckets.model_key(i)}.{k}": tuple(v.shape) for k, v in t.items()}   # key -> shape
                       for i, t in enumerate(templates)]
@@ -247,6 +246,7 @@ class Checkpointer:
         clock.lap("verify")
         if path is None:
             return None
+        base = frozen_base.for_models(models, self.cpu_group) if peft else None     # fresh: checked as it is now
         plan = _comm.decide_on_rank0(
             lambda: restore.plan_load(cfg, path, model_keys, live_groups, state, adapters_only=peft,
                                       frozen=base), self.cpu_group)
