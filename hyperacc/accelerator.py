@@ -58,11 +58,11 @@ class Accelerator(accelerate.Accelerator):
                  router_aux_loss: Optional[str] = None):
         compat.refuse_unsupported_plugins(deepspeed_plugin=deepspeed_plugin, deepspeed_plugins=deepspeed_plugins,
                                           megatron_lm_plugin=megatron_lm_plugin, torch_tp_plugin=torch_tp_plugin)
-        compat.warn_dynamo(dynamo_backend, dynamo_plugin)
         compat.warn_split_batches(split_batches)
         self.parallel_config, self.fsdp_config, self.checkpoint_config = compat.resolve_configs(
             parallel=parallel, fsdp=fsdp, checkpoint=checkpoint, parallelism_config=parallelism_config,
-            fsdp_plugin=fsdp_plugin, mixed_precision=mixed_precision)
+            fsdp_plugin=fsdp_plugin, mixed_precision=mixed_precision, dynamo_backend=dynamo_backend,
+            dynamo_plugin=dynamo_plugin)
         self._checkpoint_policy_configured = checkpoint is not None or compat.checkpoint_env_given()
         self.seed = DEFAULT_SEED if seed is None else int(seed)
         self._router_aux_mode = router_aux_loss

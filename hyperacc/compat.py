@@ -131,14 +131,6 @@ def parallel_config_from_accelerate(config) -> ParallelConfig:
     return ParallelConfig(**fields)
 
 
-def warn_dynamo(dynamo_backend=None, dynamo_plugin=None) -> None:
-    backend = dynamo_backend if dynamo_backend is not None else getattr(dynamo_plugin, "backend", None)
-    backend = env_value("ACCELERATE_DYNAMO_BACKEND") if backend is None else backend
-    if backend is not None and str(getattr(backend, "value", backend)).upper() not in ("NO", "NONE"):
-        warnings.warn(f"dynamo_backend={backend!r}: hyperacc does not compile the model in prepare(); call "
-                      "torch.compile on the model (or its blocks) yourself before prepare().")
-
-
 def warn_split_batches(split_batches) -> None:
     if split_batches is not None:
         warnings.warn("split_batches= is ignored (as by accelerate 1.15, which moved it): pass "
@@ -154,18 +146,22 @@ def _checked(config, cls):
     return copy.copy(config)
 
 
-def resolve_configs(*, parallel, fsdp, checkpoint, parallelism_config, fsdp_plugin, mixed_precision):
+def resolve_configs(*, parallel, fsdp, checkpoint, parallelism_config, fsdp_plugin, mixed_precision,
+                    dynamo_backend=None, dynamo_plugin=None):
     """hyperacc's three configs: its own arguments win, else accelerate's; every field they leave
     unset comes from the launch environment, else the default (`hyperacc.config.resolve`).
-    A given FSDPConfig is complete, so `mixed_precision=` applies only without one."""
+    A given FSDPConfig is complete, so `mixed_precision=` applies only without one; accelerate's
+    ``dynamo_backend``/``dynamo_plugin`` set its compile fields (`hyperacc.compilation`)."""
     if parallel is None and parallelism_config is not None:
         parallel = parallel_config_from_accelerate(parallelism_config)
     if fsdp is None:
         fsdp = fsdp_config_from_plugin(fsdp_plugin, mixed_precision)
     else:
         _precision_argument(mixed_precision)      # fp8 is refused either way
-    return (_checked(parallel, ParallelConfig), _checked(fsdp, FSDPConfig),
-            _checked(checkpoint, CheckpointConfig))
+    from hyperacc.compilation import apply_dynamo_arguments
+
+    fsdp = apply_dynamo_arguments(_checked(fsdp, FSDPConfig), dynamo_backend, dynamo_plugin)
+    return _checked(parallel, ParallelConfig), fsdp, _checked(checkpoint, CheckpointConfig)
 
 
 def process_group_timeout_s(kwargs_handlers) -> Optional[float]:

@@ -125,6 +125,10 @@ class FSDPConfig:
     of only after the last one (fewer collectives).
     ``precision``: the recipe for stored parameters, gradients and optimizer states
     ("fp32_master", "bf16", "bf16_sr"; see `hyperacc.precision`).
+    ``compile``: `torch.compile` each transformer block before sharding (`hyperacc.compilation`), with
+    ``compile_backend`` ("inductor", "aot_eager", ...), ``compile_mode``, ``compile_fullgraph`` and
+    ``compile_dynamic`` (None: torch's automatic dynamic shapes). Unset, they come from accelerate's
+    ``ACCELERATE_DYNAMO_*`` variables (an accelerate config file's ``dynamo_config``).
     """
 
     reshard_after_forward: Optional[bool] = unset(True, "FSDP_RESHARD_AFTER_FORWARD")
@@ -134,11 +138,19 @@ class FSDPConfig:
     wrap_classes: Optional[List[str]] = unset(None, "FSDP_TRANSFORMER_CLS_TO_WRAP")
     reduce_every_micro_batch: Optional[bool] = unset(False)
     precision: Optional[str] = unset("fp32_master", "HYPERACC_FSDP_PRECISION")
+    compile: Optional[bool] = unset(False, "HYPERACC_FSDP_COMPILE")
+    compile_backend: Optional[str] = unset("inductor", "ACCELERATE_DYNAMO_BACKEND")
+    compile_mode: Optional[str] = unset("default", "ACCELERATE_DYNAMO_MODE")
+    compile_fullgraph: Optional[bool] = unset(False, "ACCELERATE_DYNAMO_USE_FULLGRAPH")
+    compile_dynamic: Optional[bool] = unset(None, "ACCELERATE_DYNAMO_USE_DYNAMIC")
 
     def __post_init__(self):
+        from hyperacc.compilation import resolve_compile
         from hyperacc.precision import get_recipe
 
+        explicit_compile = self.compile is not None
         resolve(self)
+        resolve_compile(self, explicit_compile)
         get_recipe(self.precision)      # an unknown recipe fails here, naming the choices
         if str(self.mixed_precision).lower() == "no":
             self.mixed_precision = None

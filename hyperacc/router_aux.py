@@ -80,11 +80,11 @@ class SequenceAuxLoss:
         self.coef = float(config.router_aux_loss_coef)
         self.experts, self.top_k = int(config.num_experts), int(config.num_experts_per_tok)
         self.weights, self.context = weights, context
-        self._recording, self._logits, self._mask, self._shape = False, [], None, None
+        self._recording, self._mask, self._shape = False, None, None
         router_class, self._index = router_recorder(model)
-        for module in model.modules():
-            if isinstance(module, router_class):
-                module.register_forward_hook(self._record)
+        self._routers = [module for module in model.modules() if isinstance(module, router_class)]
+        for module in self._routers:
+            module.register_forward_hook(self._record)
         model.register_forward_pre_hook(self._start, with_kwargs=True)
         model.register_forward_hook(self._finish, with_kwargs=True)
         config.output_router_logits = False          # transformers' per-forward term: off
@@ -98,15 +98,24 @@ class SequenceAuxLoss:
         if mask is None and self._split():
             mask = self.context.token_mask
         self._mask = mask if torch.is_tensor(mask) and mask.dim() == 2 and tuple(mask.shape) == self._shape else None
-        self._logits, self._recording = [], True
+        self._clear()
+        self._recording = True
+
+    def _clear(self):
+        for router in self._routers:
+            router._hyperacc_router_logits = None
 
     def _record(self, module, args, output):
+        # Kept on the router itself, not appended to a shared list: a compiled block (hyperacc.compilation)
+        # would otherwise be guarded on the list's length and recompile for every layer.
         if self._recording:                           # not while backward recomputes a block
-            self._logits.append(output[self._index] if isinstance(output, (tuple, list)) else output)
+            module._hyperacc_router_logits = output[self._index] if isinstance(output, (tuple, list)) else output
 
     def _finish(self, module, args, kwargs, output):
         self._recording = False
-        logits, self._logits = self._logits, []
+        logits = [router._hyperacc_router_logits for router in self._routers
+                  if router._hyperacc_router_logits is not None]
+        self._clear()
         if not logits:
             return output
         shares = self.sequence_shares(logits)

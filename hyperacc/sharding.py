@@ -7,7 +7,6 @@ block's full parameters exist at a time; the root call covers what is left (embe
 """
 from __future__ import annotations
 
-import functools
 import warnings
 import zlib
 from typing import Iterable, List, Optional
@@ -16,8 +15,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.checkpoint import checkpoint
 
+from hyperacc.compilation import compile_blocks, with_recompute
 from hyperacc.config import FSDPConfig
 from hyperacc.precision import get_recipe
 from hyperacc.replicated import replicate_scalars, scalar_parameters
@@ -44,7 +43,7 @@ def enable_recompute(blocks: Iterable[nn.Module]) -> None:
     names, and therefore checkpoint keys and HF exports, unchanged.
     """
     for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = with_recompute(block.forward)
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype, *, keep_frozen: bool = False) -> None:
@@ -106,11 +105,10 @@ def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device
         warnings.warn(f"No module of class {names or '(none given)'} found in {type(model).__name__}: "
                       "sharding the whole model as one unit (more memory). Set FSDPConfig.wrap_classes "
                       "to the transformer block class name.", stacklevel=2)
-    if config.activation_checkpointing:
-        enable_recompute(blocks)
-        if getattr(getattr(model, "config", None), "use_cache", False):
-            # A KV cache filled during forward would be filled again by the recomputation.
-            model.config.use_cache = False
+    if (config.activation_checkpointing or config.compile) and getattr(getattr(model, "config", None), "use_cache", False):
+        # A KV cache filled during forward would be filled again by the recomputation; a compiled block
+        # would be specialised (and recompiled) per layer on the cache's per-layer state.
+        model.config.use_cache = False
     on_meta = any(p.is_meta for p in model.parameters())
     if not on_meta:
         model.to(device)
@@ -132,6 +130,10 @@ def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device
         for module in experts:
             fully_shard(module, mesh=info.expert_fsdp_mesh, **kwargs)
         parallel.set_expert_gradient_reduction(experts, info.grad_ranks, info.parallel.efsdp_size)
+    if config.compile:      # after TP/EP/CP hooks, before fully_shard (hyperacc.compilation)
+        compile_blocks(blocks, config)
+    if config.activation_checkpointing:     # around the compiled forward (hyperacc.compilation says why)
+        enable_recompute(blocks)
     ignored = {"ignored_params": set(scalars)} if scalars else {}
     for block in blocks:
         fully_shard(block, mesh=fsdp_mesh, **kwargs, **ignored)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import hyperacc
+from hyperacc.compilation import compiled_frames
 from hyperacc.data.collate import pad_collate
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 from train_tiny import TokenDataset
@@ -59,7 +60,8 @@ def train(spec, args):
     micro_batch_size = sizes.pop("micro_batch_size", args.mbs)
     acc = hyperacc.Accelerator(
         parallel=hyperacc.ParallelConfig(**sizes),
-        fsdp=hyperacc.FSDPConfig(activation_checkpointing=spec in args.recompute),
+        fsdp=hyperacc.FSDPConfig(activation_checkpointing=spec in args.recompute, compile=bool(args.compile),
+                                 compile_backend=args.compile or None),
         checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=7, router_aux_loss=args.aux_mode)
     model = build_causal_lm(model_config(aux, args.aux_coef), meta_device=True, router_aux_loss=aux)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -74,7 +76,8 @@ def train(spec, args):
               "placements": {name: f"{p.device_mesh.mesh_dim_names}:{p.placements}" for name, p in params.items()
                              if name.startswith("model.layers.0.") or "embed" in name or "lm_head" in name},
               "expert_bytes_share": local / total,
-              "losses": [], "aux_losses": [], "step_aux_losses": [], "grad_norms": [], "tokens": []}
+              "losses": [], "aux_losses": [], "step_aux_losses": [], "grad_norms": [], "tokens": [],
+              "compiled_frames": []}
     while acc.progress.global_step < args.steps:
         for batch in loader:
             aux = 0.0
@@ -90,6 +93,7 @@ def train(spec, args):
             record["aux_losses"].append(aux)
             record["step_aux_losses"].append(acc.step_aux_loss)
             record["tokens"].append(acc.accumulator.step_tokens)
+            record["compiled_frames"].append(compiled_frames())
             if args.save_step and acc.progress.global_step == args.save_step and not source:
                 acc.save_state(os.path.join(args.ckpt, layout))
             if acc.progress.global_step == args.steps:
@@ -111,6 +115,7 @@ def main():
     parser.add_argument("--ckpt")
     parser.add_argument("--save-step", type=int, default=0)
     parser.add_argument("--no-aux", action="store_true")
+    parser.add_argument("--compile", default=None, help="torch.compile backend for every layout (inductor, aot_eager)")
     parser.add_argument("--aux-mode", default=None, help="Accelerator(router_aux_loss=...): sequence | micro_batch")
     parser.add_argument("--aux-coef", type=float, default=0.01)
     parser.add_argument("--pad-multiple", type=int, default=None)
