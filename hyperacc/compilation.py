@@ -26,17 +26,9 @@ import torch.nn as nn
 
 # accelerate's DynamoBackend names that mean "do not compile".
 _OFF = ("no", "none", "")
-
-
-def _flag(value) -> Optional[bool]:
-    if value is None or isinstance(value, bool):
-        return value
-    word = str(value).strip().lower()
-    if word in ("", "none", "null"):
-        return None
-    if word not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise ValueError(f"cannot read {value!r} as a boolean (use true/false)")
-    return word in ("1", "true", "yes", "on")
+# torch.compile's modes (None: "default"); the ones that capture CUDA graphs.
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def _backend_name(backend) -> str:
@@ -45,16 +37,24 @@ def _backend_name(backend) -> str:
 
 
 def resolve_compile(config, explicit: bool) -> None:
-    """Normalise the ``compile*`` fields of a resolved FSDPConfig in place. An unset ``compile`` is on when
-    the environment names a dynamo backend (``accelerate launch`` with a config file's
-    ``dynamo_config``); ``dynamo_backend: NO`` keeps it off and leaves the default backend."""
-    backend = _backend_name(config.compile_backend)
+    """Normalise the ``compile*`` fields of a resolved FSDPConfig in place. ``compile`` not given (argument
+    or HYPERACC_FSDP_COMPILE) is on when the launch environment names a dynamo backend (``accelerate
+    launch`` with a config file's ``dynamo_config``; ``dynamo_backend: NO`` keeps it off)."""
+    from hyperacc.config import _from_env
+    from hyperacc.launch_env import launch_env
+
     if not explicit:
-        config.compile = backend not in _OFF
+        named = _backend_name(launch_env().get("ACCELERATE_DYNAMO_BACKEND", "no"))
+        config.compile = named not in _OFF
+    backend = _backend_name(config.compile_backend)
     config.compile_backend = "inductor" if backend in _OFF else backend
-    config.compile_fullgraph = bool(_flag(config.compile_fullgraph))
-    config.compile_dynamic = _flag(config.compile_dynamic)
-    config.compile_mode = None if str(config.compile_mode).lower() in ("none", "") else config.compile_mode
+    for name in ("compile_fullgraph", "compile_dynamic"):
+        value = getattr(config, name)
+        if isinstance(value, str):      # from the environment
+            value = None if value.strip().lower() in ("", "none", "null") else _from_env(value, False)
+        setattr(config, name, value)
+    config.compile_fullgraph = bool(config.compile_fullgraph)
+    config.compile_mode = None if str(config.compile_mode).lower() in ("none", "", "default") else config.compile_mode
 
 
 def apply_dynamo_arguments(config, dynamo_backend=None, dynamo_plugin=None):
@@ -100,8 +100,11 @@ def _inductor_problem(device_type: str) -> Optional[str]:
     return None
 
 
-def check_backend(config, device_type: str) -> None:
-    """One clear error, before any collective, when the configured backend cannot compile on this device."""
+def check_backend(config, device_type: str, parallel=None) -> None:
+    """One clear error, before any collective, when the compile settings cannot work here: a backend
+    unknown to torch or unable to generate code for this device, CUDA graphs (FSDP2 frees and re-gathers
+    the parameters a graph would capture), or ``fullgraph`` where tensor/expert parallelism must break
+    the graph (`compile_blocks`)."""
     if not config.compile:
         return
     import torch._dynamo
@@ -116,6 +119,17 @@ def check_backend(config, device_type: str) -> None:
     if problem:
         raise RuntimeError(f"FSDPConfig.compile: {problem}. Fix: set compile_backend='aot_eager' (graph capture "
                            "without code generation) or compile=false to train eager.")
+    if config.compile_mode not in MODES:
+        raise ValueError(f"FSDPConfig.compile_mode={config.compile_mode!r} is not one of {', '.join(MODES[1:])}.")
+    if config.compile_mode in CUDA_GRAPH_MODES or backend == "cudagraphs":
+        raise ValueError(f"FSDPConfig.compile: CUDA graphs ({backend}, mode {config.compile_mode!r}) cannot "
+                         "capture a block whose parameters FSDP2 frees and re-gathers every step. Fix: "
+                         "compile_mode='max-autotune-no-cudagraphs' or 'default'.")
+    split = [name for name in ("tp_size", "ep_size") if getattr(parallel, name, 1) > 1]
+    if config.compile_fullgraph and split:
+        raise ValueError(f"FSDPConfig.compile_fullgraph=True with {' and '.join(split)} > 1: the tensor/expert-"
+                         "parallel layers run eagerly between compiled pieces, so a block is not one graph. "
+                         "Fix: compile_fullgraph=false.")
 
 
 def compile_kwargs(config) -> dict:
@@ -135,6 +149,10 @@ def compile_blocks(blocks: Iterable[nn.Module], config) -> None:
     known only at run time (an all-to-all whose split sizes are data) from inside an FSDP unit of its
     own. Under TP a block compiles its norms, rotary embedding, attention core and router; under EP
     everything but the experts."""
+    if not blocks:
+        raise ValueError("FSDPConfig.compile=True but the model has no transformer block to compile (none of "
+                         "FSDPConfig.wrap_classes / _no_split_modules matched). Fix: set wrap_classes to the "
+                         "block class name, or compile=false.")
     kwargs = compile_kwargs(config)
     for block in blocks:
         for module in block.modules():

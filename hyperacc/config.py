@@ -148,7 +148,7 @@ class FSDPConfig:
         from hyperacc.compilation import resolve_compile
         from hyperacc.precision import get_recipe
 
-        explicit_compile = self.compile is not None
+        explicit_compile = self.compile is not None or "HYPERACC_FSDP_COMPILE" in launch_env()
         resolve(self)
         resolve_compile(self, explicit_compile)
         get_recipe(self.precision)      # an unknown recipe fails here, naming the choices

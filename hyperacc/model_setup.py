@@ -26,7 +26,7 @@ def shard_and_fill(model: nn.Module, *, mesh, fsdp_config, device: torch.device,
     rank 0's, the model's own, or initialised from ``seed``. Returns the parameters as they were
     before sharding, by name (what the user's optimizer holds, for `wrappers.rebind_optimizer`)."""
     parallel.check_model(model, mesh.parallel)      # before any collective
-    compilation.check_backend(fsdp_config, device.type)
+    compilation.check_backend(fsdp_config, device.type, mesh.parallel)
     if num_processes > 1 and rank0_only_weights_expected():
         broadcast_from_rank0(model, device)
     peft.broadcast_adapters(model, device)      # built before the seed was set: rank 0's init everywhere

@@ -9,7 +9,9 @@ Usage: train_parallel.py OUT.json LAYOUT [LAYOUT ...] [--steps N] [--recompute L
        LAYOUT: e.g. dp4, dp2tp2, dp4ep2, dp2tp2ep4, rep2dp2ep2, dp2cp2, dp1 (letters then sizes);
        "mb<N>" sets that layout's micro-batch size (default --mbs), e.g. dp1mb4, dp2mb1; a trailing
        "na" turns the router aux loss off for that layout (as --no-aux does for all);
-       "dp2tp2<dp4" resumes from the checkpoint layout dp4 saved in DIR (DIR/dp4) and trains on.
+       "dp2tp2<dp4" resumes from the checkpoint layout dp4 saved in DIR (DIR/dp4) and trains on;
+       a "+c" suffix compiles the layout's blocks with --compile's backend (default aot_eager), e.g.
+       "dp2+c", "dp2+c<dp2" (compiled, resumed from the eager dp2's checkpoint).
        --save-step K: every layout saves its step-K state to DIR/<layout>.
 """
 import argparse
@@ -55,13 +57,15 @@ def expert_bytes(model):
 
 def train(spec, args):
     layout, _, source = spec.partition("<")
+    compiled = layout.endswith("+c")
+    layout = layout.removesuffix("+c")
     aux = not (args.no_aux or layout.endswith("na"))
     sizes = parse_layout(layout)
     micro_batch_size = sizes.pop("micro_batch_size", args.mbs)
     acc = hyperacc.Accelerator(
         parallel=hyperacc.ParallelConfig(**sizes),
-        fsdp=hyperacc.FSDPConfig(activation_checkpointing=spec in args.recompute, compile=bool(args.compile),
-                                 compile_backend=args.compile or None),
+        fsdp=hyperacc.FSDPConfig(activation_checkpointing=spec in args.recompute, compile=compiled,
+                                 compile_backend=args.compile, precision=args.precision),
         checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=7, router_aux_loss=args.aux_mode)
     model = build_causal_lm(model_config(aux, args.aux_coef), meta_device=True, router_aux_loss=aux)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -95,7 +99,7 @@ def train(spec, args):
             record["tokens"].append(acc.accumulator.step_tokens)
             record["compiled_frames"].append(compiled_frames())
             if args.save_step and acc.progress.global_step == args.save_step and not source:
-                acc.save_state(os.path.join(args.ckpt, layout))
+                acc.save_state(os.path.join(args.ckpt, spec))
             if acc.progress.global_step == args.steps:
                 break
     record["consumed_tokens"] = acc.progress.consumed_tokens
@@ -115,7 +119,8 @@ def main():
     parser.add_argument("--ckpt")
     parser.add_argument("--save-step", type=int, default=0)
     parser.add_argument("--no-aux", action="store_true")
-    parser.add_argument("--compile", default=None, help="torch.compile backend for every layout (inductor, aot_eager)")
+    parser.add_argument("--compile", default="aot_eager", help="torch.compile backend of the '+c' layouts")
+    parser.add_argument("--precision", default=None, help="FSDPConfig.precision of every layout")
     parser.add_argument("--aux-mode", default=None, help="Accelerator(router_aux_loss=...): sequence | micro_batch")
     parser.add_argument("--aux-coef", type=float, default=0.01)
     parser.add_argument("--pad-multiple", type=int, default=None)
