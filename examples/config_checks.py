@@ -185,6 +185,17 @@ def check_parallel(cfg, world_size):
         raise ConfigError(f"parallel sizes for {world_size} process(es): {err}") from None
 
 
+def check_compile(cfg):
+    """--fsdp.compile*: a backend that exists and can generate code on this device, a mode that FSDP2
+    allows (`hyperacc.compilation.check_backend`), before any process group exists."""
+    from hyperacc.compilation import check_backend
+    from hyperacc.runtime import detect_device_type
+    try:
+        check_backend(cfg.fsdp, detect_device_type(), cfg.parallel)
+    except (ValueError, RuntimeError) as err:
+        raise ConfigError(f"fsdp.compile: {err}") from None
+
+
 # --------------------------------------------------------------------------- PEFT (--peft.*)
 PEFT_OUTPUTS = ("export_dir", "merged_export_dir")      # where the run writes: free to change on resume
 

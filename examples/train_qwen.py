@@ -23,7 +23,7 @@ import yaml
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 from config_checks import (MIN_TRANSFORMERS_TP_EP, check_checkpoint_start, check_model_dtype,  # noqa: E402,F401
-                           check_parallel, check_paths, check_peft_exports, check_peft_installed, check_peft_layout,
+                           check_compile, check_parallel, check_paths, check_peft_exports, check_peft_installed, check_peft_layout,
                            check_router_aux, check_transformers_for_tp_ep, optimizer_config)
 from config_schema import TrainConfig, check_batch  # noqa: E402
 from lora_setup import apply_peft, base_dtype, export_peft  # noqa: E402
@@ -196,6 +196,7 @@ def preflight(cfg, world_size):
     collect(check_checkpoint_start, cfg)
     collect(lambda: check_optimizer(optimizer_config(cfg), recipe=get_recipe(cfg.fsdp.precision)))
     collect(check_parallel, cfg, world_size)
+    collect(check_compile, cfg)
     collect(check_transformers_for_tp_ep, cfg)
     tokenizer = collect(tokenizer_or_error)
     if tokenizer is not None:
@@ -291,6 +292,7 @@ def train(cfg, tokenizer):
 def run_job(cfg, tokenizer, acc):
     """Everything after the Accelerator: data, model, resume, the loop, the final save."""
     import hyperacc
+    from hyperacc.compilation import CompileWatch
     from hyperacc.metrics import MetricsLogger, PeriodicCleanup
     from hyperacc.training import (NonFiniteError, StepChecks, TokenIdError, check_same_config, evaluate,
                                    lr_lambda_scheduler, param_groups)
@@ -343,6 +345,7 @@ def run_job(cfg, tokenizer, acc):
     # and before every save (validate: every step).
     guard = hyperacc.ReplicaGuard(acc, every=1 if validate else t.replica_check_steps)
     max_norm = t.gradient_clipping or float("inf")
+    compiles = CompileWatch(acc.fsdp_config.compile, warmup_steps=acc.progress.global_step + 2)
     eval_every = cfg.eval.eval_steps if eval_ds is not None else 0
 
     def run_eval(step):
@@ -371,7 +374,8 @@ def run_job(cfg, tokenizer, acc):
                 optimizer.zero_grad()
                 step = acc.progress.global_step
                 guard.maybe_check(step, loss=lambda: acc.step_loss)
-                metrics.log_step(step=step, epoch=epoch, grad_norm=grad_norm, lr=lr, **acc.accumulator.step_metrics())
+                metrics.log_step(step=step, epoch=epoch, grad_norm=grad_norm, lr=lr, extra=compiles.step(step),
+                                 **acc.accumulator.step_metrics())
                 cleanup.maybe_run(step)
                 if eval_every and step % eval_every == 0:
                     run_eval(step)
@@ -387,6 +391,8 @@ def run_job(cfg, tokenizer, acc):
                       f"stopped at step {step} < training.max_steps={t.max_steps}")
         if eval_every and step % eval_every != 0:
             run_eval(step)                         # the final evaluation
+        if compiles.enabled:
+            acc.print(compiles.summary())
     cleanup.close()
     if cfg.peft.export_dir or cfg.peft.merged_export_dir:
         if cfg.checkpoint.save_ckpt and step > last_saved:

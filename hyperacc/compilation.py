@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import shutil
+import warnings
 from typing import Iterable, Optional
 
 import torch
@@ -110,17 +111,16 @@ def check_backend(config, device_type: str, parallel=None) -> None:
     import torch._dynamo
 
     backend = config.compile_backend
-    known = torch._dynamo.list_backends(exclude_tags=())
-    if backend not in known:
-        raise ValueError(f"FSDPConfig.compile_backend={backend!r} is not a torch.compile backend here; choose "
-                         f"one of {', '.join(sorted(known))} (e.g. 'inductor', or 'aot_eager' for eager "
-                         "numerics), or set compile=false.")
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        usual = sorted({*torch._dynamo.list_backends(), "aot_eager", "eager"})
+        raise ValueError(f"FSDPConfig.compile_backend={backend!r} is not a torch.compile backend here. Fix: "
+                         f"use one of {', '.join(usual)} ('aot_eager' keeps eager numerics), or compile=false.")
     problem = _inductor_problem(device_type) if backend == "inductor" else None
     if problem:
         raise RuntimeError(f"FSDPConfig.compile: {problem}. Fix: set compile_backend='aot_eager' (graph capture "
                            "without code generation) or compile=false to train eager.")
     if config.compile_mode not in MODES:
-        raise ValueError(f"FSDPConfig.compile_mode={config.compile_mode!r} is not one of {', '.join(MODES[1:])}.")
+        raise ValueError(f"FSDPConfig.compile_mode={config.compile_mode!r} is not a torch.compile mode; choose one of {', '.join(MODES[1:])}.")
     if config.compile_mode in CUDA_GRAPH_MODES or backend == "cudagraphs":
         raise ValueError(f"FSDPConfig.compile: CUDA graphs ({backend}, mode {config.compile_mode!r}) cannot "
                          "capture a block whose parameters FSDP2 frees and re-gathers every step. Fix: "
@@ -178,10 +178,11 @@ def compiled_frames() -> int:
 
 
 def recompile_limit_hits() -> int:
-    """How often dynamo gave up compiling a frame (cache/recompile limit reached) and ran it eagerly."""
+    """How many frames dynamo gave up recompiling (its recompile limit reached): they now run eagerly."""
     from torch._dynamo.utils import counters
 
-    return int(sum(count for reason, count in counters["frames"].items() if "limit" in str(reason)))
+    return int(sum(count for reason, count in counters["unimplemented"].items()
+                   if "recompile limit" in str(reason).lower() or "cache_size_limit" in str(reason).lower()))
 
 
 def with_recompute(forward):
@@ -193,3 +194,41 @@ def with_recompute(forward):
     def recomputed(*args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return recomputed
+
+
+class CompileWatch:
+    """Frames compiled during training, for the step log, and one warning when compiling goes on
+    after warm-up: a recompile storm (shapes or Python state that change every step) costs a compile
+    per step, and past torch's recompile limit dynamo silently runs the frame eagerly."""
+
+    def __init__(self, enabled: bool, warmup_steps: int = 2, storm_steps: int = 3):
+        self.enabled, self.warmup_steps, self.storm_steps = enabled, warmup_steps, storm_steps
+        self._start = self._last = compiled_frames() if enabled else 0
+        self.after_warmup, self._steps_compiling, self._warned = 0, 0, False
+
+    @property
+    def total(self) -> int:
+        """Frames compiled since the watch started (training, evaluation, anything else compiled)."""
+        return (compiled_frames() if self.enabled else 0) - self._start
+
+    def step(self, step: int) -> dict:
+        """Call once per optimizer step; returns ``{"compiles": frames so far}`` (empty when off)."""
+        if not self.enabled:
+            return {}
+        now = compiled_frames()
+        new, self._last = now - self._last, now
+        if step > self.warmup_steps and new:
+            self.after_warmup += new
+            self._steps_compiling += 1
+            if self._steps_compiling >= self.storm_steps and not self._warned:
+                self._warned = True
+                warnings.warn(f"torch.compile is still compiling at step {step} ({self.after_warmup} frames since "
+                              f"step {self.warmup_steps}, {recompile_limit_hits()} frames gone eager at the "
+                              "recompile limit): sequence lengths that change every step recompile unless "
+                              "dynamic. Fix: FSDPConfig(compile_dynamic=True), or pad batches to a few lengths "
+                              "(pad_collate(..., pad_to_multiple_of=N)).", stacklevel=2)
+        return {"compiles": self.total}
+
+    def summary(self) -> str:
+        return (f"torch.compile: {self.total} frames compiled, {self.after_warmup} after step {self.warmup_steps}, "
+                f"{recompile_limit_hits()} run eagerly at the recompile limit")
