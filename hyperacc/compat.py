@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
-from hyperacc.launch_env import env_flag, env_has_prefix, env_hidden, env_value
+from hyperacc.launch_env import env_flag, env_has_prefix, env_hidden
 
 CHECKPOINT_ENV_PREFIX = "HYPERACC_CHECKPOINT_"
 

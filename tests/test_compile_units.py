@@ -162,3 +162,20 @@ def test_compile_without_blocks_is_an_error():
     """Nothing to compile would be a silent eager run."""
     with pytest.raises(ValueError, match="no transformer block"):
         compilation.compile_blocks([], FSDPConfig(compile=True))
+
+
+@pytest.mark.slow
+def test_lora_model_compiled_trains_as_eager():
+    """A PEFT LoRA model: its LoRA layers are inside the compiled blocks; PEFT's disable_adapter
+    switch still applies. aot_eager gives the eager run's losses."""
+    pytest.importorskip("peft")
+    from dist_utils import REPO, run_python
+
+    def run(backend):
+        out = run_python(REPO / "tests" / "scripts" / "peft_compile.py", [backend], timeout=300).stdout.split()
+        values = [float(out[i + 1]) for i, word in enumerate(out) if word == "LOSS"]
+        return values, int(out[out.index("FRAMES") + 1])
+
+    (compiled, frames), (eager, none) = run("aot_eager"), run("none")
+    assert frames > 0 and none == 0 and len(compiled) == len(eager) == 5
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(compiled, eager)), (compiled, eager)

@@ -5,7 +5,7 @@ FSDP2 + TP/EP sharding), trains ``--steps`` AdamW steps from the same seeded met
 the same global batches, and records per-step loss, aux loss, grad norm and token counts.
 Usage: train_parallel.py OUT.json LAYOUT [LAYOUT ...] [--steps N] [--recompute LAYOUT ...]
        [--ckpt DIR] [--save-step K]
-       [--no-aux] [--pad-multiple M]
+       [--no-aux] [--pad-multiple M] [--precision RECIPE] [--optim torch|hyperacc] [--compile BACKEND]
        LAYOUT: e.g. dp4, dp2tp2, dp4ep2, dp2tp2ep4, rep2dp2ep2, dp2cp2, dp1 (letters then sizes);
        "mb<N>" sets that layout's micro-batch size (default --mbs), e.g. dp1mb4, dp2mb1; a trailing
        "na" turns the router aux loss off for that layout (as --no-aux does for all);
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import hyperacc
+from hyperacc import optim as hyperacc_optim
 from hyperacc.compilation import compiled_frames
 from hyperacc.data.collate import pad_collate
 from hyperacc.models import build_causal_lm, qwen3_moe_config
@@ -68,7 +69,7 @@ def train(spec, args):
                                  compile_backend=args.compile, precision=args.precision),
         checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=7, router_aux_loss=args.aux_mode)
     model = build_causal_lm(model_config(aux, args.aux_coef), meta_device=True, router_aux_loss=aux)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = (hyperacc_optim.AdamW if args.optim == "hyperacc" else torch.optim.AdamW)(model.parameters(), lr=args.lr)
     loader = hyperacc.MicroBatchDataLoader(TokenDataset(160, True), global_batch_size=args.gbs,
                                            micro_batch_size=micro_batch_size, collate_fn=functools.partial(pad_collate, pad_to_multiple_of=args.pad_multiple), seed=3)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
@@ -121,6 +122,8 @@ def main():
     parser.add_argument("--no-aux", action="store_true")
     parser.add_argument("--compile", default="aot_eager", help="torch.compile backend of the '+c' layouts")
     parser.add_argument("--precision", default=None, help="FSDPConfig.precision of every layout")
+    parser.add_argument("--optim", default="torch", choices=["torch", "hyperacc"],
+                        help="torch.optim.AdamW, or hyperacc.optim.AdamW (which the bf16 recipes need)")
     parser.add_argument("--aux-mode", default=None, help="Accelerator(router_aux_loss=...): sequence | micro_batch")
     parser.add_argument("--aux-coef", type=float, default=0.01)
     parser.add_argument("--pad-multiple", type=int, default=None)
