@@ -39,7 +39,7 @@ MODELS = {
                  num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
                  num_experts=8, num_experts_per_tok=2),
 }
-GBS, MBS, SEQ, WARMUP, VAR_WARMUP, MIN_LEN, MAX_LEN = 8, 2, 128, 3, 5, 32, 256
+GBS, MBS, SEQ, WARMUP, VAR_WARMUP, MIN_LEN, MAX_LEN = 4, 2, 128, 3, 5, 32, 256
 
 
 class Tokens:
@@ -60,59 +60,77 @@ class Tokens:
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def train(model_name: str, compiled: bool, steps: int, variable: bool = False, pad=None) -> dict:
-    """One run: per step, the slower rank's wall time, the loss and dynamo's compiled frames so far."""
-    import torch
-    import torch.distributed as dist
+class Run:
+    """One training run (its own Accelerator, model, optimizer and loader); `step` trains one step and
+    records the slower rank's wall time, the loss and dynamo's frames compiled since `prepare`."""
 
-    import hyperacc
-    from hyperacc.compilation import compiled_frames, recompile_limit_hits
-    from hyperacc.data.collate import pad_collate
-    from hyperacc.models import build_causal_lm, qwen3_moe_config
+    def __init__(self, model_name: str, compiled: bool, steps: int, variable: bool = False, pad=None):
+        import torch
 
-    if compiled:
-        torch._dynamo.reset()
-    acc = hyperacc.Accelerator(fsdp=hyperacc.FSDPConfig(compile=compiled, compile_backend="inductor"),
-                               checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=0)
-    config = qwen3_moe_config(**MODELS[model_name], use_cache=False)
-    model = build_causal_lm(config, meta_device=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = hyperacc.MicroBatchDataLoader(Tokens(GBS * steps, config.vocab_size, variable),
-                                           global_batch_size=GBS, micro_batch_size=MBS, seed=3,
-                                           collate_fn=functools.partial(pad_collate, pad_to_multiple_of=pad))
-    model, optimizer, loader = acc.prepare(model, optimizer, loader)
-    frames0, limit0 = compiled_frames(), recompile_limit_hits()
-    times, losses, frames, lengths = [], [], [], []
-    for batch in loader:
+        import hyperacc
+        from hyperacc.compilation import compiled_frames, recompile_limit_hits
+        from hyperacc.data.collate import pad_collate
+        from hyperacc.models import build_causal_lm, qwen3_moe_config
+
+        if compiled:
+            torch._dynamo.reset()       # empty in-memory caches: this run compiles from scratch
+        self.acc = hyperacc.Accelerator(fsdp=hyperacc.FSDPConfig(compile=compiled, compile_backend="inductor"),
+                                        checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=0)
+        config = qwen3_moe_config(**MODELS[model_name], use_cache=False)
+        model = build_causal_lm(config, meta_device=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loader = hyperacc.MicroBatchDataLoader(Tokens(GBS * steps, config.vocab_size, variable),
+                                               global_batch_size=GBS, micro_batch_size=MBS, seed=3,
+                                               collate_fn=functools.partial(pad_collate, pad_to_multiple_of=pad))
+        self.model, self.optimizer, loader = self.acc.prepare(model, optimizer, loader)
+        self.batches = iter(loader)
+        self.frames, self.limit_hits = compiled_frames, recompile_limit_hits
+        self.frames0, self.limit0 = compiled_frames(), recompile_limit_hits()
+        self.record = {"times": [], "losses": [], "frames": [], "lengths": []}
+
+    def step(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        batch = next(self.batches)
         dist.barrier()
         start = time.perf_counter()
-        with acc.accumulate(model, batch) as micro_batches:
+        with self.acc.accumulate(self.model, batch) as micro_batches:
             for mb in micro_batches:
-                acc.backward(model(**mb).loss)
-        optimizer.step()
-        optimizer.zero_grad()
+                self.acc.backward(self.model(**mb).loss)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
         took = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        times.append(float(took))
-        losses.append(acc.step_loss)
-        frames.append(compiled_frames() - frames0)
-        lengths.append([mb["input_ids"].shape[1] for mb in batch])
-    acc.end_training()
-    return {"times": times, "losses": losses, "frames": frames, "lengths": lengths,
-            "limit_hits": recompile_limit_hits() - limit0}
+        self.record["times"].append(float(took))
+        self.record["losses"].append(self.acc.step_loss)
+        self.record["frames"].append(self.frames() - self.frames0)
+        self.record["lengths"].append([mb["input_ids"].shape[1] for mb in batch])
+
+    def finish(self) -> dict:
+        self.acc.end_training()
+        return {**self.record, "limit_hits": self.limit_hits() - self.limit0}
 
 
 def worker(out: str, models: list, steps: int, var_steps: int, pads: list) -> None:
+    """Per model: eager and compiled fixed-length runs, their steps alternated (so that load on a
+    shared machine hits both alike), then the variable-length compiled runs."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     results = {}
     for name in models:
         start = time.perf_counter()
-        r = results[name] = {"eager": train(name, False, WARMUP + steps),
-                             "inductor": train(name, True, WARMUP + steps)}
+        runs = {"eager": Run(name, False, WARMUP + steps), "inductor": Run(name, True, WARMUP + steps)}
+        for _ in range(WARMUP + steps):
+            for run in runs.values():
+                run.step()
+        r = results[name] = {key: run.finish() for key, run in runs.items()}
         for pad in pads:
-            r[f"var/p{pad}"] = train(name, True, var_steps, variable=True, pad=None if pad == "none" else int(pad))
+            run = Run(name, True, var_steps, variable=True, pad=None if pad == "none" else int(pad))
+            for _ in range(var_steps):
+                run.step()
+            r[f"var/p{pad}"] = run.finish()
         if dist.get_rank() == 0:
             print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
     if dist.get_rank() == 0:

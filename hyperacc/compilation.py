@@ -132,6 +132,15 @@ def check_backend(config, device_type: str, parallel=None) -> None:
                          "Fix: compile_fullgraph=false.")
 
 
+def check_model(model: nn.Module, config) -> None:
+    """A model the user already compiled whole would be compiled twice, FSDP2's hooks and all."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if config.compile and isinstance(model, OptimizedModule):
+        raise ValueError("FSDPConfig.compile=True but the model is already torch.compile'd as a whole. Fix: pass "
+                         "the uncompiled model (hyperacc compiles each block itself), or compile=false.")
+
+
 def compile_kwargs(config) -> dict:
     kwargs = {"backend": config.compile_backend, "fullgraph": config.compile_fullgraph,
               "dynamic": config.compile_dynamic}

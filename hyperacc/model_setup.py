@@ -27,6 +27,7 @@ def shard_and_fill(model: nn.Module, *, mesh, fsdp_config, device: torch.device,
     before sharding, by name (what the user's optimizer holds, for `wrappers.rebind_optimizer`)."""
     parallel.check_model(model, mesh.parallel)      # before any collective
     compilation.check_backend(fsdp_config, device.type, mesh.parallel)
+    compilation.check_model(model, fsdp_config)
     if num_processes > 1 and rank0_only_weights_expected():
         broadcast_from_rank0(model, device)
     peft.broadcast_adapters(model, device)      # built before the seed was set: rank 0's init everywhere

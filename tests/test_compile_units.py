@@ -158,6 +158,13 @@ def test_compiled_model_keeps_names_and_trains_like_eager():
         acc.end_training()
 
 
+def test_a_model_compiled_whole_is_refused():
+    model = torch.compile(torch.nn.Linear(2, 2), backend="eager")
+    with pytest.raises(ValueError, match="already torch.compile'd"):
+        compilation.check_model(model, FSDPConfig(compile=True))
+    compilation.check_model(model, FSDPConfig(compile=False))
+
+
 def test_compile_without_blocks_is_an_error():
     """Nothing to compile would be a silent eager run."""
     with pytest.raises(ValueError, match="no transformer block"):
