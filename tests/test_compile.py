@@ -36,7 +36,7 @@ INDUCTOR_FIRST_STEP_RTOL = 1e-5     # step 1: the same weights, forward only dif
 
 DEFAULT = ["dp2", "dp2+c", "dp2r", "dp2r+c", "dp2+c<dp2", "dp2<dp2+c"]
 RECOMPUTE = ["dp2r", "dp2r+c"]      # the "r" is ignored by the layout parser: dp2 with activation recompute
-SLOW_PAIRS = ["dp2ep2", "dp1tp2", "dp1cp2"]
+SLOW_PAIRS = ["rep2dp1", "dp2ep2", "dp1tp2", "dp1cp2"]     # rep2dp1: HSDP (2 replicas)
 
 
 def _run(tmp_path_factory, name, layouts, *extra):
@@ -67,7 +67,10 @@ def job(tmp_path_factory, ckpt):
 
 @pytest.fixture(scope="module")
 def slow_job(tmp_path_factory):
-    # each compiled layout comes first of its kind in the process, so it compiles frames of its own
+    # each compiled layout comes first of its kind in the process, so it compiles frames of its own. HSDP
+    # comes first: listed after the tp2/cp2 layouts it reused their compiled code (guards pass) and drifted
+    # by rounding (8.5e-8 at step 6, 1.3e-3 in grad norm by step 19 after MoE top-k flips) -- an artefact
+    # of several models in one process; alone it is bitwise equal to eager.
     layouts = [spec for name in SLOW_PAIRS for spec in (name, name + "+c")]
     return _run(tmp_path_factory, "slow", layouts, "--pad-multiple", 2)
 
@@ -156,7 +159,7 @@ def test_compiled_and_eager_checkpoints_hold_the_same_tensors(job, ckpt, eager):
     assert compiled_keys == eager_keys      # and the same global shapes
 
 
-# ----------------------------------------------------------------------- slow: ep, tp, cp; bf16
+# ----------------------------------------------------------------------- slow: ep, tp, cp, hsdp; bf16
 @pytest.mark.slow
 @pytest.mark.parametrize("eager", SLOW_PAIRS)
 def test_compiled_matches_eager_per_step_parallel(slow_job, eager):
