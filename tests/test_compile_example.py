@@ -2,9 +2,9 @@
 
 Default: an accelerate config file whose ``dynamo_config`` names INDUCTOR (no hyperacc flag) compiles
 the blocks with inductor -- the launcher's ACCELERATE_DYNAMO_* variables reach FSDPConfig -- and the run
-trains, logs its compile counts and recompiles nothing after warm-up. A bad backend is one config-error
-line before anything starts. Slow: ``--fsdp.compile=true`` with aot_eager, recompute and the bf16 recipe
-gives the eager run's losses.
+trains, logs its compile counts and recompiles nothing after warm-up. Slow: a bad backend is one
+config-error line before anything starts; ``--fsdp.compile=true`` with aot_eager, recompute and the bf16
+recipe gives the eager run's losses.
 """
 import json
 
@@ -60,6 +60,7 @@ def example():
     return load_example("train_qwen_compile")
 
 
+@pytest.mark.slow      # check_backend's messages are tested in tests/test_compile_units.py
 def test_bad_compile_settings_are_one_config_error_each(example, hyperacc_cache):
     message = config_error(example, ["--fsdp.compile=true", "--fsdp.compile_backend=nope"], preflight=True)
     assert "fsdp.compile" in message and "'nope'" in message and "aot_eager" in message

@@ -123,6 +123,7 @@ def _batches(vocab, count=3):
     return [torch.randint(0, vocab, (2, n), generator=generator) for n in lengths]
 
 
+@pytest.mark.slow      # the default run proves it on 2 processes (tests/test_compile.py)
 def test_compiled_model_keeps_names_and_trains_like_eager():
     """One process: the prepared compiled model has the eager model's parameter names (so checkpoint
     keys and exports), its blocks are compiled, and three SGD steps match eager (aot_eager numerics)."""
