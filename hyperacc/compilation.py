@@ -4,10 +4,12 @@ Why per block, and why in this order: compiling the whole model puts FSDP2's all
 router's data-dependent shapes and the loss in one graph that breaks and recompiles (accelerate measured
 whole-model compile of Qwen3-30B-A3B 2.4x slower than per-layer). Blocks of one class share one piece
 of code, so dynamo compiles it once and every layer reuses it. The block's ``forward`` is replaced in
-place -- after the recompute wrapper (so activation checkpointing is compiled into the graph), before
-``fully_shard`` (whose hooks then stay outside the graph and run eagerly around it) -- which keeps
-parameter names, and so checkpoint keys and HF exports, unchanged: a compiled run's checkpoint
-resumes eager and the other way round.
+place -- after TP/EP/CP have hooked the block, before ``fully_shard`` (whose hooks then stay outside the
+graph and run eagerly around it) -- which keeps parameter names, and so checkpoint keys and HF exports,
+unchanged: a compiled run's checkpoint resumes eager and the other way round. Activation recompute
+wraps the compiled forward, not the other way round: dynamo traces a checkpointed region as one
+higher-order op that refuses side effects, and the MoE router's logit recording (`hyperacc.router_aux`)
+is one, so the whole region would fall back to eager.
 
 Settings come from `hyperacc.FSDPConfig` (``compile``, ``compile_backend``, ``compile_mode``,
 ``compile_fullgraph``, ``compile_dynamic``), which accelerate's ``dynamo_backend``/``TorchDynamoPlugin``
@@ -17,7 +19,6 @@ that cannot run on this device is an error before any collective, never a silent
 from __future__ import annotations
 
 import dataclasses
-import functools
 import shutil
 import warnings
 from typing import Iterable, Optional
@@ -120,7 +121,8 @@ def check_backend(config, device_type: str, parallel=None) -> None:
         raise RuntimeError(f"FSDPConfig.compile: {problem}. Fix: set compile_backend='aot_eager' (graph capture "
                            "without code generation) or compile=false to train eager.")
     if config.compile_mode not in MODES:
-        raise ValueError(f"FSDPConfig.compile_mode={config.compile_mode!r} is not a torch.compile mode; choose one of {', '.join(MODES[1:])}.")
+        raise ValueError(f"FSDPConfig.compile_mode={config.compile_mode!r} is not a torch.compile mode; choose "
+                         f"one of {', '.join(MODES[1:])}.")
     if config.compile_mode in CUDA_GRAPH_MODES or backend == "cudagraphs":
         raise ValueError(f"FSDPConfig.compile: CUDA graphs ({backend}, mode {config.compile_mode!r}) cannot "
                          "capture a block whose parameters FSDP2 frees and re-gathers every step. Fix: "
@@ -192,17 +194,6 @@ def recompile_limit_hits() -> int:
 
     return int(sum(count for reason, count in counters["unimplemented"].items()
                    if "recompile limit" in str(reason).lower() or "cache_size_limit" in str(reason).lower()))
-
-
-def with_recompute(forward):
-    """``forward`` that recomputes its activations in backward (non-reentrant checkpoint); a plain
-    function so that dynamo traces it (and the checkpoint as one region) when the block is compiled."""
-    from torch.utils.checkpoint import checkpoint
-
-    @functools.wraps(forward)
-    def recomputed(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return recomputed
 
 
 class CompileWatch:

@@ -7,6 +7,7 @@ block's full parameters exist at a time; the root call covers what is left (embe
 """
 from __future__ import annotations
 
+import functools
 import warnings
 import zlib
 from typing import Iterable, List, Optional
@@ -15,8 +16,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
 
-from hyperacc.compilation import compile_blocks, with_recompute
+from hyperacc.compilation import compile_blocks
 from hyperacc.config import FSDPConfig
 from hyperacc.precision import get_recipe
 from hyperacc.replicated import replicate_scalars, scalar_parameters
@@ -43,7 +45,7 @@ def enable_recompute(blocks: Iterable[nn.Module]) -> None:
     names, and therefore checkpoint keys and HF exports, unchanged.
     """
     for block in blocks:
-        block.forward = with_recompute(block.forward)
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype, *, keep_frozen: bool = False) -> None:
@@ -105,10 +107,11 @@ def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device
         warnings.warn(f"No module of class {names or '(none given)'} found in {type(model).__name__}: "
                       "sharding the whole model as one unit (more memory). Set FSDPConfig.wrap_classes "
                       "to the transformer block class name.", stacklevel=2)
-    if (config.activation_checkpointing or config.compile) and getattr(getattr(model, "config", None), "use_cache", False):
+    if config.activation_checkpointing or config.compile:
         # A KV cache filled during forward would be filled again by the recomputation; a compiled block
         # would be specialised (and recompiled) per layer on the cache's per-layer state.
-        model.config.use_cache = False
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            model.config.use_cache = False
     on_meta = any(p.is_meta for p in model.parameters())
     if not on_meta:
         model.to(device)
