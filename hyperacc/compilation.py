@@ -79,14 +79,15 @@ def apply_dynamo_arguments(config, dynamo_backend=None, dynamo_plugin=None):
 
 def _inductor_problem(device_type: str) -> Optional[str]:
     """Why inductor cannot generate code for ``device_type`` here, or None when it can."""
-    from torch._inductor.codegen.common import get_scheduling_for_device, init_backend_registration
+    from torch._inductor.codegen.common import (  # private: inductor's device registry (no public API)
+        get_scheduling_for_device, init_backend_registration)
 
     init_backend_registration()
     if get_scheduling_for_device(device_type) is None:
         return (f"inductor has no code generator for device '{device_type}' in this torch build"
                 + (" (torch_npu registers none)" if device_type == "npu" else ""))
     if device_type == "cpu":
-        from torch._inductor import cpp_builder
+        from torch._inductor import cpp_builder     # private: the compiler inductor will call (no public API)
 
         try:
             compiler = cpp_builder.get_cpp_compiler()
@@ -95,7 +96,7 @@ def _inductor_problem(device_type: str) -> Optional[str]:
         if not compiler or not shutil.which(compiler):
             return "inductor needs a C++ compiler on CPU and none was found (install g++, or set CXX)"
     if device_type == "cuda":
-        from torch.utils._triton import has_triton
+        from torch.utils._triton import has_triton  # private: torch's own triton probe (no public API)
 
         if not has_triton():
             return "inductor needs triton on CUDA and it is not installed (pip install triton)"
@@ -109,11 +110,9 @@ def check_backend(config, device_type: str, parallel=None) -> None:
     the graph (`compile_blocks`)."""
     if not config.compile:
         return
-    import torch._dynamo
-
     backend = config.compile_backend
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):
-        usual = sorted({*torch._dynamo.list_backends(), "aot_eager", "eager"})
+    if backend not in torch.compiler.list_backends(exclude_tags=()):
+        usual = sorted({*torch.compiler.list_backends(), "aot_eager", "eager"})
         raise ValueError(f"FSDPConfig.compile_backend={backend!r} is not a torch.compile backend here. Fix: "
                          f"use one of {', '.join(usual)} ('aot_eager' keeps eager numerics), or compile=false.")
     problem = _inductor_problem(device_type) if backend == "inductor" else None
@@ -136,9 +135,9 @@ def check_backend(config, device_type: str, parallel=None) -> None:
 
 def check_model(model: nn.Module, config) -> None:
     """A model the user already compiled whole would be compiled twice, FSDP2's hooks and all."""
-    from torch._dynamo.eval_frame import OptimizedModule
+    from accelerate.utils import is_compiled_module
 
-    if config.compile and isinstance(model, OptimizedModule):
+    if config.compile and is_compiled_module(model):
         raise ValueError("FSDPConfig.compile=True but the model is already torch.compile'd as a whole. Fix: pass "
                          "the uncompiled model (hyperacc compiles each block itself), or compile=false.")
 
@@ -168,7 +167,7 @@ def compile_blocks(blocks: Iterable[nn.Module], config) -> None:
     for block in blocks:
         for module in block.modules():
             if _split_over("tp", module) or _split_over("ep", module):
-                module.forward = torch._dynamo.disable(module.forward)
+                module.forward = torch.compiler.disable(module.forward)
         block.forward = torch.compile(block.forward, **kwargs)
 
 
@@ -183,14 +182,14 @@ def _split_over(dim: str, module: nn.Module) -> bool:
 def compiled_frames() -> int:
     """How many frames dynamo has compiled in this process so far (each recompilation counts once):
     compare it across steps to see recompiles."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters    # private: dynamo's own frame counters (no public API)
 
     return int(counters["frames"]["ok"])
 
 
 def recompile_limit_hits() -> int:
     """How many frames dynamo gave up recompiling (its recompile limit reached): they now run eagerly."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters    # private: as in compiled_frames (no public API)
 
     return int(sum(count for reason, count in counters["unimplemented"].items()
                    if "recompile limit" in str(reason).lower() or "cache_size_limit" in str(reason).lower()))
