@@ -50,11 +50,14 @@ def resolve_compile(config, explicit: bool) -> None:
         config.compile = named not in _OFF
     backend = _backend_name(config.compile_backend)
     config.compile_backend = "inductor" if backend in _OFF else backend
-    for name in ("compile_fullgraph", "compile_dynamic"):
-        value = getattr(config, name)
-        if isinstance(value, str):      # from the environment
-            value = None if value.strip().lower() in ("", "none", "null") else _from_env(value, False)
-        setattr(config, name, value)
+    dynamic = config.compile_dynamic
+    if isinstance(dynamic, str):        # from ACCELERATE_DYNAMO_USE_DYNAMIC (None-default fields stay text)
+        try:
+            dynamic = None if dynamic.strip().lower() in ("", "none", "null") else _from_env(dynamic, False)
+        except ValueError as err:
+            raise ValueError(f"environment variable ACCELERATE_DYNAMO_USE_DYNAMIC={dynamic!r} is invalid: "
+                             f"{err}") from None
+    config.compile_dynamic = dynamic
     config.compile_fullgraph = bool(config.compile_fullgraph)
     config.compile_mode = None if str(config.compile_mode).lower() in ("none", "", "default") else config.compile_mode
 

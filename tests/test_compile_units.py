@@ -45,6 +45,12 @@ def test_accelerate_config_file_dynamo_variables_turn_it_on(monkeypatch):
     assert FSDPConfig().compile is False
 
 
+def test_a_bad_dynamo_variable_is_named(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "maybe")
+    with pytest.raises(ValueError, match="ACCELERATE_DYNAMO_USE_DYNAMIC='maybe'"):
+        FSDPConfig()
+
+
 def test_dynamo_backend_no_keeps_it_off(monkeypatch):
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
     config = FSDPConfig()
