@@ -7,6 +7,7 @@ block's full parameters exist at a time; the root call covers what is left (embe
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 import zlib
@@ -81,6 +82,19 @@ def _policies(config: FSDPConfig, device_type: str) -> dict:
     return kwargs
 
 
+def _root_policies(kwargs: dict, config: FSDPConfig) -> dict:
+    """The root unit's policies: never resharded after forward (backward needs it at once) and,
+    under ``mixed_precision``, fp32 outputs. accelerate wraps the forward of a mixed-precision model
+    in ``convert_outputs_to_fp32``, so its users get fp32 logits and loss; FSDP2's ``output_dtype``
+    does the same cast on the root alone, so the blocks in between still hand bf16 activations to
+    each other. A bf16 *recipe* without ``mixed_precision`` is a storage choice (like a model loaded
+    in bf16 under accelerate): its outputs stay in the parameters' dtype."""
+    root = {**kwargs, "reshard_after_forward": False}
+    if config.mixed_precision and "mp_policy" in kwargs:
+        root["mp_policy"] = dataclasses.replace(kwargs["mp_policy"], output_dtype=torch.float32)
+    return root
+
+
 def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device,
                 seed: int, *, initialize: bool = True) -> nn.Module:
     """Apply FSDP2 to ``model`` in place and return it, initialised if it was on the meta device.
@@ -142,7 +156,7 @@ def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device
         fully_shard(block, mesh=fsdp_mesh, **kwargs, **ignored)
     # The root (embeddings, final norm, head) is needed again as soon as backward starts: resharding
     # it after forward would only buy one more all-gather per micro-batch (FSDP2's own default).
-    fully_shard(model, mesh=fsdp_mesh, **{**kwargs, "reshard_after_forward": False}, **ignored)
+    fully_shard(model, mesh=fsdp_mesh, **_root_policies(kwargs, config), **ignored)
     if on_meta:
         target = torch.device("cpu") if "offload_policy" in kwargs else device
         if initialize:

@@ -42,6 +42,20 @@ def save(objects: List, directory: str, *, is_main: bool) -> Dict[str, dict]:
     return digests
 
 
+def save_files(files: Dict[str, bytes], directory: str, *, is_main: bool) -> Dict[str, dict]:
+    """Write named files (main process) into a checkpoint before it is complete; returns their
+    digests for its integrity manifest. A name is a plain file name, never a path."""
+    if not is_main:
+        return {}
+    digests = {}
+    for name, data in files.items():
+        if os.path.basename(name) != name or name.startswith("."):
+            raise ValueError(f"extra checkpoint file {name!r}: give a plain file name (no directory, no dot file).")
+        containment.atomic_write(os.path.join(directory, name), data)
+        digests[name] = integrity.digest_bytes(data)
+    return digests
+
+
 def load(objects: List, directory: str) -> None:
     found = sorted(name for name in os.listdir(directory) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", name))
     if len(found) != len(objects):

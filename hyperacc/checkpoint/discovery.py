@@ -108,9 +108,33 @@ def resolve_source(source: str, checkpoint_dir: str) -> Optional[str]:
         found = find_latest(path)
         if found is not None:
             return found
+    foreign = foreign_format(path)
+    if foreign is not None:
+        raise ValueError(f"{path!r} is {foreign}, not a hyperacc checkpoint (no {METADATA_FILE}, no "
+                         "global_step_<N> directory): hyperacc cannot restore its optimizer, data position and "
+                         "RNG exactly and will not guess. Resume it with the tool that wrote it, or start a new "
+                         "hyperacc run from its weights (load the model from that directory with "
+                         "from_pretrained / hyperacc.models.load_pretrained).")
     raise FileNotFoundError(f"{path!r} is not a complete checkpoint: it has no {METADATA_FILE} (the save "
                             "that wrote it did not finish) and holds no complete global_step_<N> "
                             "directory.")
+
+
+# Files that say who wrote a directory that is not a hyperacc checkpoint.
+_TRAINER_FILES = ("trainer_state.json",)
+_ACCELERATE_FILES = ("random_states_0.pkl", "optimizer.bin", "pytorch_model_fsdp_0", "optimizer_0")
+
+
+def foreign_format(path: str) -> Optional[str]:
+    """What wrote ``path`` when it is transformers' `Trainer` or accelerate's `save_state` (None otherwise)."""
+    names = set(os.listdir(path)) if os.path.isdir(path) else set()
+    if "hyperacc_checkpoint.json" in names or any(name.endswith(".distcp") for name in names):
+        return None         # hyperacc's own (an unfinished save of the Trainer integration holds trainer_state.json too)
+    if names & set(_TRAINER_FILES):
+        return "a checkpoint written by transformers' Trainer on plain accelerate (trainer_state.json)"
+    if names & set(_ACCELERATE_FILES):
+        return "a checkpoint written by accelerate's save_state"
+    return None
 
 
 def latest_candidates(root: str) -> List[str]:

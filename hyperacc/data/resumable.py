@@ -124,6 +124,19 @@ class ResumableLoader:
         self._pending = dict(state)
         self.base_loader.iteration = int(state["epoch"])
 
+    def restored_position(self) -> Optional[tuple]:
+        """(epoch, batches already trained in it) that the next iteration starts from after
+        `load_state`, or None when nothing was restored. A position at the very end of an epoch is
+        the start of the next one: that is where a loop asking for the next epoch continues."""
+        if self._pending is None or "epoch" not in self._pending:
+            return None
+        epoch, batches = int(self._pending["epoch"]), int(self._pending["batches"])
+        if batches and batches >= len(self.base_loader):
+            self._pending = {"epoch": epoch + 1, "batches": 0, "random_state": None}
+            self.base_loader.iteration = epoch + 1
+            return epoch + 1, 0
+        return epoch, batches
+
     def skip_first_batches(self, num_batches: int):
         """accelerate's `skip_first_batches`, aware of a position restored by `load_state`.
 

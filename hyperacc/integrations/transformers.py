@@ -1,0 +1,221 @@
+"""hyperacc as the engine under transformers' `Trainer`: same constructor, same script, one import.
+
+    from hyperacc.integrations.transformers import Trainer        # instead of: from transformers import Trainer
+
+`Trainer` builds its own `accelerate.Accelerator`, saves `checkpoint-<N>/` through accelerate's FSDP
+helpers and resumes data by skipping batches. `HyperaccTrainerMixin` changes exactly those seams and
+nothing else of the training loop:
+
+- **Accelerator**: hyperacc's, built from the same arguments `Trainer` builds for accelerate's
+  (`trainer_args`): FSDP2 over one DeviceMesh, `ParallelConfig` from accelerate's parallelism config or
+  hyperacc's variables, the precision recipe, `torch_compile` as per-block compile.
+- **Checkpoints**: `save_steps` / `save_strategy` still decide when; what is written is hyperacc's
+  six-bucket checkpoint in ``<output_dir>/global_step_<N>/`` (with `Trainer`'s ``trainer_state.json``
+  inside, under the integrity manifest), LATEST, ``save_total_limit`` as retention.
+  ``resume_from_checkpoint=True`` means LATEST; a path may be a checkpoint or the checkpoint root.
+  Model, optimizer, scheduler, RNG, progress and the data position come back from the buckets; the
+  loader continues where it stood (no batch is skipped by re-reading).
+- **Loss**: `Trainer`'s ``num_items_in_batch`` arithmetic is already the token mean over micro-batches
+  and ranks when every data-parallel rank reads different data; under tensor parallelism its peers read
+  the same batch, so the Trainer's "tp size" is hyperacc's (`get_tp_size`).
+- **save_model**: hyperacc's sharded export (every rank writes its share), a PEFT model as its adapter.
+
+Put the mixin first: ``class MyTrainer(HyperaccTrainerMixin, SomeTrainer)``. Nothing in transformers is
+patched: a plain `transformers.Trainer` in the same process is untouched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import json
+import os
+from typing import Optional
+
+import transformers
+
+from hyperacc.integrations import trainer_args
+
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+class HyperaccTrainerMixin:
+    """Runs a `transformers.Trainer` (or subclass) on hyperacc's Accelerator and checkpoints."""
+
+    # ------------------------------------------------------------------ accelerator
+    def create_accelerator_and_postprocess(self) -> None:
+        """hyperacc's Accelerator from the arguments `Trainer` would give accelerate's."""
+        from accelerate.utils import DataLoaderConfiguration, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
+
+        from hyperacc.accelerator import Accelerator
+        from hyperacc.compat import accelerate_switches_off
+
+        problems = trainer_args.refused_options(self.args)
+        if problems:
+            raise NotImplementedError("; ".join(problems))
+        options = self.args.accelerator_config.to_dict()
+        accumulation = dict(options.pop("gradient_accumulation_kwargs") or {})
+        if "num_steps" in accumulation:
+            if self.args.gradient_accumulation_steps > 1:
+                raise ValueError("accelerator_config's gradient_accumulation_kwargs['num_steps'] and "
+                                 "gradient_accumulation_steps > 1 are both set: keep one of them.")
+            self.args.gradient_accumulation_steps = accumulation["num_steps"]
+        accumulation["num_steps"] = 1           # the Trainer accumulates itself (as with accelerate)
+        loader_config = DataLoaderConfiguration(
+            **{name: options.pop(name) for name in ("split_batches", "dispatch_batches", "even_batches",
+                                                    "use_seedable_sampler")},
+            data_seed=self.args.data_seed, non_blocking=options.pop("non_blocking"))
+        fsdp_plugin = None
+        if self.args.fsdp_plugin_args is not None:
+            with accelerate_switches_off():
+                fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        arguments = self._build_accelerator_args(dataloader_config=loader_config, fsdp_plugin=fsdp_plugin,
+                                                 gradient_accumulation_plugin=GradientAccumulationPlugin(**accumulation))
+        self.accelerator = Accelerator(**arguments, checkpoint=trainer_args.checkpoint_config(self.args),
+                                       seed=self.args.seed)
+        trainer_args.check_parallel(self.accelerator.parallel_config)
+        self.gather_function = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+            self.gather_function = functools.partial(self.gather_function,
+                                                     use_gather_object=self.args.eval_use_gather_object)
+        self.is_deepspeed_enabled = False
+        self.is_fsdp_enabled = True             # FSDP2: Trainer prepares model and optimizer together
+
+    def get_tp_size(self) -> int:
+        """Ranks that read the same batch (tensor-parallel peers): the Trainer divides its token count
+        by it and scales the loss by ``processes / it``, the number of data-parallel ranks."""
+        return self.accelerator.num_processes // self.accelerator.dp_size
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer steps its scheduler itself; hyperacc saves and restores it (lr_scheduler bucket)."""
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        self.accelerator.checkpoint_scheduler(scheduler)
+        return scheduler
+
+    # ------------------------------------------------------------------ saving
+    def _save_checkpoint(self, model, trial) -> None:
+        """hyperacc's checkpoint in ``<output_dir>/global_step_<N>/``, with trainer_state.json inside."""
+        if trial is not None:
+            raise NotImplementedError("hyperparameter search trials are not supported by hyperacc's Trainer "
+                                      "integration: run each trial as its own training run.")
+        if self.state.global_step != self.accelerator.progress.global_step:
+            raise RuntimeError(f"Trainer is at step {self.state.global_step} but hyperacc counted "
+                               f"{self.accelerator.progress.global_step} optimizer steps: the optimizer was not "
+                               "stepped through the prepared optimizer. The checkpoint would be misnamed; not saved.")
+        if self.hp_search_backend is None:
+            self.store_flos()
+        self._record_callback_states()
+        self.accelerator.save_state(extra_files={TRAINER_STATE_NAME: self._state_json()})
+
+    def _record_callback_states(self) -> None:
+        """As `Trainer` does before writing its state: the exportable callbacks' current state."""
+        for callback in self.callback_handler.callbacks + [self.control]:
+            if isinstance(callback, transformers.trainer_callback.ExportableState):
+                name = type(callback).__name__
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(callback.state())
+                else:
+                    self.state.stateful_callbacks[name] = callback.state()
+
+    def _state_json(self) -> bytes:
+        """`TrainerState.save_to_json`'s text, as bytes for the checkpoint's manifest."""
+        return (json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Collective (every rank calls it, as `Trainer` does): hyperacc's sharded HF export, or the PEFT
+        adapter of a PEFT model, plus the tokenizer and training arguments `Trainer` saves beside it."""
+        import torch
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self.accelerator.save_model(self.model, output_dir)
+        if self.args.should_save:
+            processor = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+            if processor is not None:
+                processor.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    # ------------------------------------------------------------------ resuming
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """`Trainer.train`; ``resume_from_checkpoint`` is a hyperacc checkpoint (True: LATEST in
+        ``output_dir``; a path: a ``global_step_<N>`` directory or a checkpoint root)."""
+        return super().train(self._checkpoint_to_resume(resume_from_checkpoint), *args, **kwargs)
+
+    def _checkpoint_to_resume(self, source) -> Optional[str]:
+        from hyperacc.checkpoint import discovery
+
+        if source is None or source is False:
+            return None
+        if source is True:
+            found = discovery.find_latest(self.args.output_dir)
+            if found is None:
+                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir!r} holds no complete hyperacc "
+                                 "checkpoint (global_step_<N>/ with .metadata). Start without "
+                                 "resume_from_checkpoint, or pass the checkpoint's path.")
+            return found
+        return discovery.resolve_source(os.fspath(source), self.args.output_dir)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        """All six buckets at once (Trainer calls this after `prepare`, as for FSDP)."""
+        self.accelerator.load_state(resume_from_checkpoint)
+        if self.accelerator.progress.global_step != self.state.global_step:
+            raise RuntimeError(f"{resume_from_checkpoint}: its trainer_state.json says step {self.state.global_step} "
+                               f"but its buckets say step {self.accelerator.progress.global_step}; the directory "
+                               "was edited. Resume another checkpoint.")
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        """Restored with the model by `load_state` (hyperacc's buckets)."""
+
+    def _load_scaler(self, checkpoint) -> None:
+        """Restored with the model by `load_state` (hyperacc's buckets)."""
+
+    def _load_rng_state(self, checkpoint) -> None:
+        """Restored with the model by `load_state`; the loader replays its epoch's order itself."""
+
+    def _run_epoch(self, **kwargs):
+        """The resumed epoch: hyperacc's loader already stands after the batches trained, so the Trainer
+        runs the rest of that epoch as it would have, without skipping (re-reading) any batch."""
+        if kwargs["resume_from_checkpoint"] is None or kwargs["epoch"] != kwargs["epochs_trained"]:
+            return super()._run_epoch(**kwargs)
+        done = kwargs["steps_trained_in_current_epoch"]
+        self._check_data_position(kwargs["train_dataloader"], kwargs["epoch"], done)
+        full = kwargs["steps_in_epoch"]
+        kwargs.update(resume_from_checkpoint=None, steps_trained_in_current_epoch=0, steps_in_epoch=full - done,
+                      num_update_steps_per_epoch=kwargs["num_update_steps_per_epoch"]
+                      - done // self.args.gradient_accumulation_steps)
+        fix = _EpochFraction(kwargs["epoch"], done, full)
+        self.callback_handler.callbacks.insert(0, fix)
+        try:
+            return super()._run_epoch(**kwargs)
+        finally:
+            self.callback_handler.callbacks.remove(fix)
+
+    def _check_data_position(self, loader, epoch: int, batches: int) -> None:
+        position = loader.restored_position() if hasattr(loader, "restored_position") else None
+        if position is None:
+            raise RuntimeError("the checkpoint restored no data position for the train DataLoader (saved with "
+                               "save_only_model=True?): hyperacc does not resume by skipping batches. Resume a "
+                               "full checkpoint, or start a new run from its weights.")
+        if position != (epoch, batches):
+            raise RuntimeError(f"the checkpoint's data position is epoch {position[0]}, batch {position[1]}, but the "
+                               f"Trainer's step count puts this run at epoch {epoch}, batch {batches}: the dataset, "
+                               "per-device batch size or gradient_accumulation_steps changed since the save. Keep "
+                               "them (the number of processes may change), or start a new run.")
+
+
+class _EpochFraction(transformers.TrainerCallback):
+    """Keeps ``state.epoch`` what an uninterrupted run reports while the resumed epoch runs as a
+    shorter one (first among the callbacks, so every other one and the logs see the right value)."""
+
+    def __init__(self, epoch: int, done: int, full: int):
+        self.epoch, self.done, self.full = epoch, done, full
+
+    def on_step_end(self, args, state, control, **kwargs):
+        steps = round((state.epoch - self.epoch) * (self.full - self.done))
+        state.epoch = self.epoch + (self.done + steps) / self.full
+
+
+class Trainer(HyperaccTrainerMixin, transformers.Trainer):
+    """`transformers.Trainer` on hyperacc: same constructor and arguments."""
