@@ -154,9 +154,19 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
                              "and keep using the object it returned.")
         parallel.check_model(model, self._mesh.parallel)      # before any collective
         aux_mode = router_aux.check_mode(model, self._router_aux_mode)
-        originals = shard_and_fill(model, mesh=self._mesh, fsdp_config=self.fsdp_config, device=self.device,
-                                   seed=self.seed, num_processes=self.num_processes)
-        router_aux.install(model, aux_mode, self.accumulator.aux_weights)
+        layout = (tuple(self._mesh.mesh.mesh_dim_names), tuple(self._mesh.mesh.shape), repr(self.fsdp_config), aux_mode)
+        if getattr(model, "_hyperacc_layout", None) is not None:
+            # Sharded by an earlier Accelerator of this job (transformers' Trainer prepares the model it
+            # evaluated again for training, or a second Trainer gets the same model): adopted as it is.
+            if model._hyperacc_layout != layout:
+                raise ValueError("This model was sharded by another Accelerator with a different mesh, FSDP or "
+                                 "router-aux setting; it cannot be re-sharded. Build a fresh model for this one.")
+            originals = dict(model.named_parameters())
+        else:
+            originals = shard_and_fill(model, mesh=self._mesh, fsdp_config=self.fsdp_config, device=self.device,
+                                       seed=self.seed, num_processes=self.num_processes)
+            router_aux.install(model, aux_mode, self.accumulator.aux_weights)
+            model._hyperacc_layout = layout
         self._params.record(model, originals)
         self._models.append(model)
         compat.add_script_conveniences(model, self)

@@ -1,12 +1,12 @@
 """Exports of a prepared PEFT model: the adapters in PEFT's own format (`export_adapter`, loadable by
 ``PeftModel.from_pretrained``) and the base with the adapters merged in (`export_merged`, a plain
 Hugging Face checkpoint). Both are collective and gather one tensor at a time; files appear only
-when complete, and nothing a user already has is written over."""
+when complete, and nothing a user already has is written over (only hyperacc's own earlier export
+is replaced, by `Accelerator.save_model`)."""
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from typing import Dict, Iterator, Optional
 
 import torch
@@ -15,6 +15,7 @@ from torch import nn
 from hyperacc.integrations.peft import (ADAPTER_WEIGHTS_FILE, _layer_adapters, _own_tensors, _tuner_classes,
                                         adapter_tensor_names, base_names, tuner_layers)
 from hyperacc.weights.export import _full      # collective for a DTensor: every rank, same order
+from hyperacc.weights.files import MARK_KEY
 
 
 def adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -34,28 +35,34 @@ def export_adapter(model: nn.Module, out_dir: str, *, group=None, into_existing:
     """Collective: the adapters in PEFT's own format (``adapter_model.safetensors`` +
     ``adapter_config.json``, written by rank 0 through ``PeftModel.save_pretrained``), moved into
     ``out_dir`` only when complete. Refuses an ``out_dir`` that holds files (``into_existing=True``:
-    one without adapter files, e.g. a tokenizer; a README there is kept). Returns ``out_dir``."""
-    from hyperacc.weights.export import _agree, _start
+    one that may hold other files, e.g. a tokenizer or a README, which are kept, and hyperacc's own
+    earlier export, which is replaced as `hyperacc.weights.publish` says). Returns ``out_dir``."""
+    from hyperacc.weights import publish
+    from hyperacc.weights.export import _agree
 
     out_dir = os.path.abspath(out_dir)
-    tmp = _agree(lambda: _start(out_dir, into_existing), group)
+    target = _agree(lambda: publish.start(out_dir, into_existing, "adapter"), group)
     state = adapter_state_dict(model)         # every rank joins the gathers
 
     def write():
-        model.save_pretrained(tmp, state_dict=state, is_main_process=True)
-        os.makedirs(out_dir, exist_ok=True)
-        present = set(os.listdir(out_dir))
-        clash = [n for n in os.listdir(tmp) if n in present and n != "README.md"]
-        if clash:
-            raise FileExistsError(f"{out_dir} already holds {clash[0]}; hyperacc never writes over an export: "
-                                  "export to a new directory or remove it.")
-        for name in sorted(os.listdir(tmp), key=lambda n: n == ADAPTER_WEIGHTS_FILE):     # weights last
-            if name not in present:
-                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-        shutil.rmtree(tmp)
-        return out_dir
+        model.save_pretrained(target.tmp, state_dict=state, is_main_process=True)
+        _mark_adapter_file(os.path.join(target.tmp, ADAPTER_WEIGHTS_FILE), target.mark)
+        return publish.publish(target.tmp, out_dir, target.mark, "adapter")
 
     return _agree(write, group)
+
+
+def _mark_adapter_file(path: str, mark: str) -> None:
+    """Put the export's mark into the header PEFT wrote (the adapters are small: rewritten whole),
+    so that a later save knows the file as hyperacc's own (`hyperacc.weights.publish`)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(path, framework="pt") as handle:
+        metadata = dict(handle.metadata() or {})
+    metadata[MARK_KEY] = mark
+    save_file(load_file(path), path + ".marked", metadata=metadata)     # not over a file still mapped
+    os.replace(path + ".marked", path)
 
 
 @contextlib.contextmanager

@@ -71,3 +71,13 @@ def checkpoint_config(args) -> CheckpointConfig:
         save_steps=0, save_epochs=0,            # Trainer's save_strategy decides; hyperacc's own policy is off
         keep_last_n=int(args.save_total_limit or 0),
         save_optimizer=not weights_only, save_train_state=not weights_only)
+
+
+def router_aux_mode(model):
+    """The MoE load-balancing loss as `Trainer` / TRL compute it on accelerate: transformers' own
+    per-forward term when the model's config asks for it ("micro_batch"), else none. hyperacc's
+    sequence-wise term would add to ``outputs.loss`` and detach ``outputs.aux_loss``, but TRL builds its
+    loss from ``outputs.aux_loss`` itself: that term must keep its gradient."""
+    config = getattr(model, "config", None)
+    return "micro_batch" if getattr(config, "output_router_logits", False) else None
+

@@ -72,7 +72,7 @@ class HyperaccTrainerMixin:
         arguments = self._build_accelerator_args(dataloader_config=loader_config, fsdp_plugin=fsdp_plugin,
                                                  gradient_accumulation_plugin=GradientAccumulationPlugin(**accumulation))
         self.accelerator = Accelerator(**arguments, checkpoint=trainer_args.checkpoint_config(self.args),
-                                       seed=self.args.seed)
+                                       seed=self.args.seed, router_aux_loss=trainer_args.router_aux_mode(self.model))
         trainer_args.check_parallel(self.accelerator.parallel_config)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
@@ -147,6 +147,12 @@ class HyperaccTrainerMixin:
         from hyperacc.checkpoint import discovery
 
         if source is None or source is False:
+            steps = [step for step, _ in discovery.scan(self.args.output_dir)]
+            if steps and self.args.save_strategy != "no":
+                raise ValueError(f"output_dir {self.args.output_dir!r} already holds checkpoints of another run (steps "
+                                 f"{', '.join(map(str, steps))}) and this run does not resume from them: its saves "
+                                 "would mix with them. Resume with trainer.train(resume_from_checkpoint=True), or use "
+                                 "another output_dir.")
             return None
         if source is True:
             found = discovery.find_latest(self.args.output_dir)

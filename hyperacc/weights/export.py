@@ -7,13 +7,15 @@ for Qwen3-30B-A3B in fp32) and one writer for all of it. Here each tensor is gat
 and appended to that rank's file as it arrives: no rank holds more than one full tensor, and all
 ranks write at once. Fused MoE experts are written per expert, the way `save_pretrained` does, so
 the result loads with `from_pretrained` (and vLLM and every other reader of HF checkpoints).
+A model no bigger than ``max_shard_size`` is one ``model.safetensors`` (no index), as
+`save_pretrained` writes it: rank 0 writes it, still receiving one gathered tensor at a time.
+Where the files go, and how a save replaces hyperacc's own earlier export: `hyperacc.weights.publish`.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import os
-import shutil
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -21,8 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hyperacc.weights import layout
-from hyperacc.weights.files import INDEX_FILE, SINGLE_FILE
+from hyperacc.weights import layout, publish
 from hyperacc.weights.load import model_class
 from hyperacc.weights.writer import Entry, RankWriter, plan_files, write_index
 
@@ -80,9 +81,10 @@ def write_metadata(directory: str, config, generation_config=None) -> None:
 
 def export_sharded(model: nn.Module, out_dir: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                    group=None, into_existing: bool = False, tensors=None) -> str:
-    """Collective: every rank calls it; the files appear in ``out_dir`` all at once. Refuses an
-    ``out_dir`` that holds files (``into_existing=True``: one that holds no weights, e.g. a
-    tokenizer; the weights are moved in, index last). ``tensors``: (key, tensor or `Computed`) to
+    """Collective: every rank calls it; the files appear in ``out_dir`` when complete. Refuses an
+    ``out_dir`` that holds files (``into_existing=True``: one that may hold other files, e.g. a
+    tokenizer, and hyperacc's own earlier export, which is replaced as `hyperacc.weights.publish`
+    says; weights hyperacc did not write are refused). ``tensors``: (key, tensor or `Computed`) to
     write instead of the model's own (`export_tensors`); ``model`` still gives the config.
     Returns ``out_dir``."""
     from hyperacc.sharding import reshard
@@ -91,10 +93,10 @@ def export_sharded(model: nn.Module, out_dir: str, *, max_shard_bytes: int = DEF
     out_dir = os.path.abspath(out_dir)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    tmp = _agree(lambda: _start(out_dir, into_existing), group)
+    target = _agree(lambda: publish.start(out_dir, into_existing), group)
     tensors = export_tensors(model) if tensors is None else tensors
-    files = plan_files(entry_groups(tensors), world, max_shard_bytes)
-    writer = RankWriter(tmp, files, rank)
+    files = plan_files(entry_groups(tensors), world, max_shard_bytes, avoid=target.in_use)
+    writer = RankWriter(target.tmp, files, rank, mark=target.mark)
     error = None
     for name, tensor in tensors:
         full = _full(tensor)                                    # collective for a DTensor
@@ -113,7 +115,7 @@ def export_sharded(model: nn.Module, out_dir: str, *, max_shard_bytes: int = DEF
     _raise_if_any_failed(error, group)
     dtype = tensors[0][1].dtype if tensors else None
     gen = getattr(model, "generation_config", None) if getattr(model, "can_generate", lambda: False)() else None
-    return _agree(lambda: _finish(tmp, out_dir, files, hf_config(model, dtype), gen, into_existing), group)
+    return _agree(lambda: _finish(target, out_dir, files, hf_config(model, dtype), gen), group)
 
 
 def _full(tensor) -> torch.Tensor:
@@ -126,13 +128,18 @@ def save_model_sharded(model: nn.Module, save_directory: str, max_shard_size="10
                        *, group=None) -> str:
     """`Accelerator.save_model`: accelerate's arguments, but every rank writes in parallel
     (accelerate gathers the whole model on rank 0); a PEFT model's adapters in PEFT's format.
-    ``save_directory`` may already hold other files (a tokenizer) but no weights."""
+    ``save_directory`` may hold other files (a tokenizer, checkpoints) and hyperacc's own earlier
+    export, which the new one replaces (what `Trainer.save_model` needs: the same directory each time)."""
     from accelerate.utils import convert_file_size_to_int
 
     from hyperacc.integrations import peft, peft_export
 
     if not safe_serialization:
-        raise ValueError("save_model(safe_serialization=False): hyperacc writes safetensors only; drop the argument.")
+        raise ValueError(
+            "save_model(safe_serialization=False): hyperacc writes safetensors only (pytorch_model.bin is a "
+            "pickle, loading it can run code, and transformers 5 no longer writes it). Fix: drop "
+            "safe_serialization=False; from_pretrained loads the safetensors export. If a tool needs a .bin, "
+            "load the export with from_pretrained and torch.save(model.state_dict(), 'pytorch_model.bin').")
     if peft.is_peft_model(model):     # what PeftModel.save_pretrained writes: the adapters, PEFT's format
         return peft_export.export_adapter(model, save_directory, group=group, into_existing=True)
     return export_sharded(model, save_directory, max_shard_bytes=convert_file_size_to_int(max_shard_size),
@@ -140,37 +147,11 @@ def save_model_sharded(model: nn.Module, save_directory: str, max_shard_size="10
 
 
 # --------------------------------------------------------------------------- directory handling
-def _start(out_dir: str, into_existing: bool) -> str:
-    """Rank 0: refuse to overwrite, clear a stale temp dir of ours, create the temp dir."""
-    if os.path.islink(out_dir) or os.path.isfile(out_dir):
-        raise FileExistsError(f"{out_dir} exists and is not a directory; choose another output directory.")
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        clash = [n for n in os.listdir(out_dir) if n.endswith(".safetensors") or n in (INDEX_FILE, "config.json")]
-        if not into_existing or clash:
-            what = clash[0] if clash else sorted(os.listdir(out_dir))[0]
-            raise FileExistsError(f"{out_dir} is not empty (it holds {what}); hyperacc never writes over a directory: "
-                                  "export to a new directory or remove it.")
-    tmp = f"{out_dir}.tmp-hyperacc-export"
-    if os.path.islink(tmp):
-        raise FileExistsError(f"{tmp} is a symlink; remove it.")
-    shutil.rmtree(tmp, ignore_errors=True)      # a crashed export of ours; never a user's directory name
-    os.makedirs(tmp)
-    return tmp
-
-
-def _finish(tmp: str, out_dir: str, files, config, generation_config, into_existing: bool) -> str:
-    write_metadata(tmp, config, generation_config)
-    write_index(tmp, files)
-    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)
-        os.replace(tmp, out_dir)
-        return out_dir
-    names = sorted(os.listdir(tmp), key=lambda n: n in (INDEX_FILE, SINGLE_FILE))   # the index last
-    for name in names:
-        os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-    os.rmdir(tmp)
-    return out_dir
+def _finish(target, out_dir: str, files, config, generation_config) -> str:
+    """Rank 0, once every rank's files are complete: configs and index, then into ``out_dir``."""
+    write_metadata(target.tmp, config, generation_config)
+    write_index(target.tmp, files, mark=target.mark)
+    return publish.publish(target.tmp, out_dir, target.mark, "model")
 
 
 def _agree(fn, group):

@@ -15,6 +15,7 @@ import torch
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+MARK_KEY = "hyperacc_export"        # header / index metadata key: which hyperacc export wrote the file
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -56,15 +57,15 @@ class WeightFiles:
         self._offsets: Dict[str, int] = {}
         self._fds: Dict[str, int] = {}
         index = os.path.join(directory, INDEX_FILE)
-        if os.path.isfile(index):
+        if os.path.isfile(os.path.join(directory, SINGLE_FILE)):     # first, as from_pretrained reads them
+            weight_map, files = None, [SINGLE_FILE]
+        elif os.path.isfile(index):
             with open(index) as handle:
                 try:
                     weight_map = json.load(handle)["weight_map"]
                 except (ValueError, KeyError) as err:
                     raise WeightsError(f"{index} is not a safetensors index ({err}); re-export the model.") from None
             files = sorted(set(weight_map.values()))
-        elif os.path.isfile(os.path.join(directory, SINGLE_FILE)):
-            weight_map, files = None, [SINGLE_FILE]
         else:
             raise WeightsError(f"{directory} holds no {SINGLE_FILE} or {INDEX_FILE} (hyperacc loads safetensors "
                                "weights only; convert *.bin weights with transformers' save_pretrained).")
@@ -144,6 +145,20 @@ def _row_range(shape, index):
     first = index[0].indices(shape[0])
     rest = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index[1:], shape[1:]))
     return first[0], first[1], rest
+
+
+def header_metadata(file: str) -> Optional[Dict[str, str]]:
+    """The ``__metadata__`` of a safetensors file (None when it has none or cannot be read): reading
+    it costs the header only, whatever the file's size."""
+    try:
+        with open(file, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            if not 0 < size < 1 << 30:
+                return None
+            meta = json.loads(handle.read(size)).get("__metadata__")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def _header(file: str) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...], int]]:

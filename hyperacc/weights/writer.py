@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Dict, List, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from hyperacc.weights.files import INDEX_FILE, SAFETENSORS_DTYPE, SINGLE_FILE
+from hyperacc.weights.files import INDEX_FILE, MARK_KEY, SAFETENSORS_DTYPE, SINGLE_FILE
 
 
 @dataclasses.dataclass
@@ -42,10 +42,20 @@ class FilePlan:
     entries: List[Entry]
 
 
-def plan_files(groups: Sequence[List[Entry]], world: int, max_bytes: int) -> List[FilePlan]:
-    """Spread ``groups`` (the keys of one model tensor each, kept together) over ``world`` ranks
-    by bytes (greedy, in order, so every rank writes at the same time), then cut each rank's list
-    into files of at most ``max_bytes``. Deterministic: every rank computes the same plan."""
+def plan_files(groups: Sequence[List[Entry]], world: int, max_bytes: int, *,
+               avoid: Collection[str] = ()) -> List[FilePlan]:
+    """Which rank writes which keys into which file. Deterministic: every rank computes the same plan.
+
+    A model of at most ``max_bytes`` is one ``model.safetensors`` written by rank 0, as
+    ``save_pretrained`` writes it (readers and the Hub expect no index then). A bigger one is spread
+    over the ``world`` ranks by bytes (greedy, in order, so every rank writes at the same time),
+    each rank's list cut into files of at most ``max_bytes``, with an index. ``groups`` (the keys of
+    one model tensor each) stay together. ``avoid``: shard names in use by the export being
+    replaced; when a standard name is among them every shard takes the alternate name (see
+    `shard_names`), so no file an old index points to is ever written over."""
+    total_bytes = sum(e.nbytes for group in groups for e in group)
+    if total_bytes <= max_bytes:
+        return [FilePlan(SINGLE_FILE, 0, [e for group in groups for e in group])]
     loads, owned = [0] * world, [[] for _ in range(world)]
     for group in groups:
         rank = min(range(world), key=lambda r: (loads[r], r))
@@ -63,26 +73,41 @@ def plan_files(groups: Sequence[List[Entry]], world: int, max_bytes: int) -> Lis
             size += nbytes
         if current:
             raw.append((rank, current))
-    total = len(raw)
-    return [FilePlan(SINGLE_FILE if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors", rank, entries)
-            for i, (rank, entries) in enumerate(raw)]
+    if len(raw) == 1:           # one tensor bigger than max_bytes: still one file, as transformers does
+        return [FilePlan(SINGLE_FILE, raw[0][0], raw[0][1])]
+    names = shard_names(len(raw), avoid)
+    return [FilePlan(name, rank, entries) for name, (rank, entries) in zip(names, raw)]
 
 
-def write_index(directory: str, files: List[FilePlan]) -> None:
-    """``model.safetensors.index.json`` (only when there are several files, as transformers does)."""
+def shard_names(count: int, avoid: Collection[str] = ()) -> List[str]:
+    """``model-0000k-of-0000n.safetensors`` (transformers' names), or, when one of those is in
+    ``avoid``, ``model-0000k-of-0000n-b.safetensors``. Saving the same model into the same directory
+    again thus alternates between the two sets: the new shards never replace a file that the
+    current index (or a reader that has just read it) still points to."""
+    standard = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    if not set(standard) & set(avoid):
+        return standard
+    return [name.replace(".safetensors", "-b.safetensors") for name in standard]
+
+
+def write_index(directory: str, files: List[FilePlan], *, mark: Optional[str] = None) -> None:
+    """``model.safetensors.index.json`` (only when there are several files, as transformers does).
+    ``mark``: hyperacc's export mark, kept in the index metadata (`hyperacc.weights.publish`)."""
     if len(files) == 1:
         return
     weight_map = {e.key: f.name for f in files for e in f.entries}
-    total = sum(e.nbytes for f in files for e in f.entries)
+    metadata = {"total_size": sum(e.nbytes for f in files for e in f.entries)}
+    if mark is not None:
+        metadata[MARK_KEY] = mark
     with open(os.path.join(directory, INDEX_FILE), "w") as handle:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, handle, indent=2)
+        json.dump({"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}, handle, indent=2)
 
 
 class StreamingFile:
     """A safetensors file whose header is written first; `write` appends tensors in plan order."""
 
-    def __init__(self, path: str, entries: List[Entry]):
-        header, offset = {"__metadata__": {"format": "pt"}}, 0
+    def __init__(self, path: str, entries: List[Entry], mark: Optional[str] = None):
+        header, offset = {"__metadata__": {"format": "pt", **({MARK_KEY: mark} if mark else {})}}, 0
         for entry in entries:
             if entry.dtype not in SAFETENSORS_DTYPE:
                 raise ValueError(f"key {entry.key!r}: dtype {entry.dtype} cannot be stored in safetensors.")
@@ -118,10 +143,11 @@ class StreamingFile:
 
 class RankWriter:
     """This rank's files of a plan: `write(key, tensor)` opens each file at its first key and
-    closes it after its last."""
+    closes it after its last. ``mark``: hyperacc's export mark, kept in each file's header metadata."""
 
-    def __init__(self, directory: str, files: List[FilePlan], rank: int):
+    def __init__(self, directory: str, files: List[FilePlan], rank: int, *, mark: Optional[str] = None):
         self.directory = directory
+        self._mark = mark
         self._file_of: Dict[str, FilePlan] = {e.key: f for f in files if f.rank == rank for e in f.entries}
         self._open: Dict[str, StreamingFile] = {}
 
@@ -132,7 +158,8 @@ class RankWriter:
         plan = self._file_of[key]
         stream = self._open.get(plan.name)
         if stream is None:
-            stream = self._open[plan.name] = StreamingFile(os.path.join(self.directory, plan.name), plan.entries)
+            stream = self._open[plan.name] = StreamingFile(os.path.join(self.directory, plan.name), plan.entries,
+                                                          self._mark)
         stream.write(key, tensor)
         if stream.done:
             stream.close()
