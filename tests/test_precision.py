@@ -243,3 +243,30 @@ def test_the_rfc_config_offline_says_so_in_one_line():
     errors = [line for line in proc.stderr.splitlines() if line.startswith("config error")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
     assert "'Salesforce/wikitext' is not cached" in errors[0] and "--data.dataset=PATH" in errors[0]
+
+
+# ----------------------------------------------------------------------------- mixed precision outputs
+MIXED_OUTPUTS = REPO / "tests" / "scripts" / "mixed_precision_outputs.py"
+
+
+def _forward(tmp_path, *args):
+    out = tmp_path / f"forward{len(list(tmp_path.glob('forward*')))}.json"
+    run_python(MIXED_OUTPUTS, [out, *args], timeout=180)
+    return json.loads(out.read_text())
+
+
+def test_mixed_precision_bf16_returns_fp32_outputs_and_matches_accelerates_loss(tmp_path):
+    """accelerate wraps a mixed-precision forward in convert_outputs_to_fp32; hyperacc casts the root
+    unit's outputs (FSDP2 output_dtype): fp32 logits and loss, bf16 between the blocks. A bf16
+    recipe without mixed_precision is a storage choice: its outputs stay bf16."""
+    ours = _forward(tmp_path, "--engine", "hyperacc")                       # Accelerator(mixed_precision="bf16")
+    theirs = _forward(tmp_path, "--engine", "accelerate")                   # accelerate.Accelerator, same weights
+    via_config = _forward(tmp_path, "--engine", "hyperacc", "--precision", "bf16")   # FSDPConfig(mixed_precision=)
+    for run in (ours, theirs, via_config):
+        assert run["logits_dtype"] == run["loss_dtype"] == "torch.float32", run
+    assert ours["block_output_dtype"] == via_config["block_output_dtype"] == "torch.bfloat16"
+    assert ours["param_dtype"] == "torch.float32" and via_config["param_dtype"] == "torch.bfloat16"
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=2 ** -8, abs=0)     # within one bf16 step
+    assert ours["grads"] == theirs["grads"] > 0
+    recipe_only = _forward(tmp_path, "--engine", "hyperacc", "--precision", "bf16", "--mixed-precision", "no")
+    assert recipe_only["logits_dtype"] == "torch.bfloat16" and recipe_only["loss_dtype"] == "torch.float32"

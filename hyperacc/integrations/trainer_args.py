@@ -58,7 +58,7 @@ _CP_UNDER_TRAINER = ("context parallelism (cp_size > 1) under Trainer: the Train
 
 
 def check_parallel(parallel_config) -> None:
-    """The mesh hyperacc resolved (also from HYPERACC_PARALLEL_* / accelerate's variables) against Trainer."""
+    """The mesh hyperacc resolved (also from the PARALLELISM_CONFIG_* variables) against Trainer."""
     if parallel_config.cp_size > 1:
         raise NotImplementedError(_CP_UNDER_TRAINER)
 
