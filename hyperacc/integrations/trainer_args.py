@@ -81,3 +81,17 @@ def router_aux_mode(model):
     config = getattr(model, "config", None)
     return "micro_batch" if getattr(config, "output_router_logits", False) else None
 
+
+def inexact_loss(trainer) -> List[str]:
+    """Why this Trainer's step loss would not be the token mean over micro-batches and ranks (empty if it is)."""
+    problems = []
+    if not trainer.model_accepts_loss_kwargs and trainer.compute_loss_func is None:
+        problems.append("the model's forward takes no `num_items_in_batch`: Trainer averages each micro-batch's mean "
+                        "loss, so short and long micro-batches weigh the same (not the token mean of the step). Give "
+                        "forward `**kwargs` passed to the loss, or set compute_loss_func.")
+    if not trainer.args.average_tokens_across_devices and trainer.accelerator.dp_size > 1:
+        problems.append("average_tokens_across_devices=False: each rank's loss is divided by its own token count, so "
+                        "the step loss is the mean of per-rank means, not the token mean over all ranks. Leave it "
+                        "True (the default).")
+    return problems
+

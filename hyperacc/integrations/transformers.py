@@ -30,6 +30,7 @@ import functools
 import inspect
 import json
 import os
+import warnings
 from typing import Optional
 
 import transformers
@@ -141,6 +142,8 @@ class HyperaccTrainerMixin:
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """`Trainer.train`; ``resume_from_checkpoint`` is a hyperacc checkpoint (True: LATEST in
         ``output_dir``; a path: a ``global_step_<N>`` directory or a checkpoint root)."""
+        for problem in trainer_args.inexact_loss(self):
+            warnings.warn(problem, stacklevel=2)
         return super().train(self._checkpoint_to_resume(resume_from_checkpoint), *args, **kwargs)
 
     def _checkpoint_to_resume(self, source) -> Optional[str]:
