@@ -77,7 +77,7 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         with compat.accelerate_switches_off():
             super().__init__(
                 device_placement=device_placement, split_batches=split_batches,
-                mixed_precision=self.fsdp_config.mixed_precision or mixed_precision,
+                mixed_precision=self.fsdp_config.mixed_precision or "no",   # FSDPConfig is what runs
                 gradient_accumulation_steps=gradient_accumulation_steps, cpu=self.runtime.device_type == "cpu",
                 dataloader_config=dataloader_config, rng_types=rng_types, log_with=log_with,
                 project_dir=project_dir, project_config=project_config,
