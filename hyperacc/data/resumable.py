@@ -110,19 +110,37 @@ class ResumableLoader:
             return {"stateful": self.base_loader.state_dict()}
         start = self._epoch_start if self._epoch_start is not None else self._random_state()
         return {"epoch": self.epoch, "batches": self._batches_in_epoch, "random_state": start,
-                "length": len(self.base_loader)}
+                "length": len(self.base_loader), "global_batch": self._global_batch()}
+
+    def _global_batch(self) -> Optional[int]:
+        """Samples one batch index covers over all data-parallel ranks (per-rank batch x ranks)."""
+        try:
+            return int(self.base_loader.total_batch_size)
+        except (AttributeError, TypeError):
+            return None
 
     def load_state_dict(self, state: dict) -> None:
         if "stateful" in state:
             self.base_loader.load_state_dict(state["stateful"])
             return
+        state = dict(state)
         if state.get("length") is not None and int(state["length"]) != len(self.base_loader):
-            raise ValueError(
-                f"The checkpoint's train DataLoader had {state['length']} batches per epoch, this one has "
-                f"{len(self.base_loader)}: its position cannot be restored exactly. Keep the dataset, batch "
-                "size and number of data-parallel processes of the saved run, or start from step 0.")
-        self._pending = dict(state)
+            state["batches"] = self._converted_position(state)
+        self._pending = state
         self.base_loader.iteration = int(state["epoch"])
+
+    def _converted_position(self, state: dict) -> int:
+        """The saved position in this loader's batches, when only the split of the same sample order
+        into per-rank batches changed (another number of processes or per-rank batch size: the epoch
+        and the position, counted in samples, stay whole numbers of batches). Else one clear error."""
+        saved, now = state.get("global_batch"), self._global_batch()
+        samples = int(state["batches"]) * saved if saved else None
+        if saved and now and int(state["length"]) * saved == len(self.base_loader) * now and samples % now == 0:
+            return samples // now
+        raise ValueError(
+            f"The checkpoint's train DataLoader had {state['length']} batches per epoch, this one has "
+            f"{len(self.base_loader)}: its position cannot be restored exactly. Keep the dataset and the batch "
+            "over all data-parallel processes (per-rank batch x processes) of the saved run, or start from step 0.")
 
     def restored_position(self) -> Optional[tuple]:
         """(epoch, batches already trained in it) that the next iteration starts from after

@@ -209,9 +209,10 @@ class HyperaccTrainerMixin:
                                "full checkpoint, or start a new run from its weights.")
         if position != (epoch, batches):
             raise RuntimeError(f"the checkpoint's data position is epoch {position[0]}, batch {position[1]}, but the "
-                               f"Trainer's step count puts this run at epoch {epoch}, batch {batches}: the dataset, "
-                               "per-device batch size or gradient_accumulation_steps changed since the save. Keep "
-                               "them (the number of processes may change), or start a new run.")
+                               f"Trainer's step count puts this run at epoch {epoch}, batch {batches}: the dataset or the "
+                               "global batch (per-device batch x gradient_accumulation_steps x processes) changed "
+                               "since the save. Keep them (how the global batch is split may change), or start a "
+                               "new run.")
 
 
 class _EpochFraction(transformers.TrainerCallback):
