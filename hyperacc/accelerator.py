@@ -64,6 +64,7 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
             fsdp_plugin=fsdp_plugin, mixed_precision=mixed_precision, dynamo_backend=dynamo_backend,
             dynamo_plugin=dynamo_plugin)
         self._checkpoint_policy_configured = checkpoint is not None or compat.checkpoint_env_given()
+        self.save_on_end: Optional[bool] = None     # end_training's final save; None: when a policy is configured
         self.seed = DEFAULT_SEED if seed is None else int(seed)
         self._router_aux_mode = router_aux_loss
 
@@ -317,6 +318,7 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         """Finish trackers; final checkpoint only if a checkpoint policy was configured (or a save/load
         already ran); wait for async saves; release the process group if hyperacc created it."""
         policy = self._checkpoint_policy_configured or self._step_end_called
+        policy = policy if self.save_on_end is None else self.save_on_end
         if self._checkpointer is not None or (policy and self.checkpoint_config.save_ckpt):
             self._get_checkpointer().finish(self._train_state(), final_save=policy)
         for tracker in self.trackers:

@@ -136,7 +136,7 @@ class FSDPConfig:
     cpu_offload: Optional[bool] = unset(False, "FSDP_OFFLOAD_PARAMS")
     activation_checkpointing: Optional[bool] = unset(False, "FSDP_ACTIVATION_CHECKPOINTING")
     wrap_classes: Optional[List[str]] = unset(None, "FSDP_TRANSFORMER_CLS_TO_WRAP")
-    reduce_every_micro_batch: Optional[bool] = unset(False)
+    reduce_every_micro_batch: Optional[bool] = unset(False, "HYPERACC_FSDP_REDUCE_EVERY_MICRO_BATCH")
     precision: Optional[str] = unset("fp32_master", "HYPERACC_FSDP_PRECISION")
     compile: Optional[bool] = unset(False, "HYPERACC_FSDP_COMPILE")
     compile_backend: Optional[str] = unset("inductor", "ACCELERATE_DYNAMO_BACKEND")

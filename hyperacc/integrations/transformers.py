@@ -50,6 +50,7 @@ class HyperaccTrainerMixin:
 
         from hyperacc.accelerator import Accelerator
         from hyperacc.compat import accelerate_switches_off
+        from hyperacc.config import FSDPConfig
 
         problems = trainer_args.refused_options(self.args)
         if problems:
@@ -62,6 +63,7 @@ class HyperaccTrainerMixin:
                                  "gradient_accumulation_steps > 1 are both set: keep one of them.")
             self.args.gradient_accumulation_steps = accumulation["num_steps"]
         accumulation["num_steps"] = 1           # the Trainer accumulates itself (as with accelerate)
+        accumulation.setdefault("sync_each_batch", FSDPConfig().reduce_every_micro_batch)   # sharded gradients
         loader_config = DataLoaderConfiguration(
             **{name: options.pop(name) for name in ("split_batches", "dispatch_batches", "even_batches",
                                                     "use_seedable_sampler")},
@@ -75,12 +77,23 @@ class HyperaccTrainerMixin:
         self.accelerator = Accelerator(**arguments, checkpoint=trainer_args.checkpoint_config(self.args),
                                        seed=self.args.seed, router_aux_loss=trainer_args.router_aux_mode(self.model))
         trainer_args.check_parallel(self.accelerator.parallel_config)
+        self.accelerator.save_on_end = False    # the Trainer decides when to save; `end()` adds no checkpoint
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
             self.gather_function = functools.partial(self.gather_function,
                                                      use_gather_object=self.args.eval_use_gather_object)
         self.is_deepspeed_enabled = False
         self.is_fsdp_enabled = True             # FSDP2: Trainer prepares model and optimizer together
+
+    def end(self) -> None:
+        """As `Trainer.end` on accelerate: finish the trackers, wait for an asynchronous save, destroy the
+        process group (also one accelerate created first). No final checkpoint: saving is the Trainer's."""
+        import torch.distributed as dist
+
+        self.accelerator.end_training()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
     def get_tp_size(self) -> int:
         """Ranks that read the same batch (tensor-parallel peers): the Trainer divides its token count
@@ -147,6 +160,17 @@ class HyperaccTrainerMixin:
         return super().train(self._checkpoint_to_resume(resume_from_checkpoint), *args, **kwargs)
 
     def _checkpoint_to_resume(self, source) -> Optional[str]:
+        path = self._resolved_checkpoint(source)
+        if path is not None:
+            from hyperacc.checkpoint import storage
+
+            if (storage.read_sentinel(path) or {}).get("train_state") == "none":
+                raise ValueError(f"{path} is a weights-only checkpoint (saved with save_only_model=True): it holds no "
+                                 "optimizer, scheduler, RNG or data position to resume. Start a new run from its "
+                                 "weights (`python -m hyperacc.checkpoint.convert to-hf`), or save full checkpoints.")
+        return path
+
+    def _resolved_checkpoint(self, source) -> Optional[str]:
         from hyperacc.checkpoint import discovery
 
         if source is None or source is False:

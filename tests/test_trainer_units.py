@@ -1,0 +1,44 @@
+"""hyperacc's Trainer in this process (1 rank): what `Trainer.end()` and a weights-only save leave behind."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+from datasets import Dataset  # noqa: E402
+from transformers import Qwen3Config, Qwen3ForCausalLM, TrainingArguments  # noqa: E402
+
+from hyperacc.integrations.transformers import Trainer  # noqa: E402
+
+
+def _trainer(out, **overrides):
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    rows = torch.randint(0, 64, (12, 8), generator=torch.Generator().manual_seed(0)).tolist()
+    args = dict(output_dir=str(out), per_device_train_batch_size=2, max_steps=3, use_cpu=True, report_to=[],
+                logging_steps=1, save_strategy="no")
+    args.update(overrides)
+    return Trainer(model=model, args=TrainingArguments(**args),
+                   train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}))
+
+
+def test_end_saves_nothing_and_destroys_the_process_group(tmp_path):
+    trainer = _trainer(tmp_path)
+    trainer.train()
+    assert dist.is_initialized()
+    trainer.end()
+    assert not dist.is_initialized(), "Trainer.end() must destroy the process group, as on accelerate"
+    saved = [n for n in os.listdir(tmp_path) if n.startswith("global_step")]
+    assert saved == [], f"save_strategy='no' but end() wrote {saved}"
+
+
+def test_weights_only_checkpoint_cannot_be_resumed(tmp_path):
+    trainer = _trainer(tmp_path, save_strategy="steps", save_steps=3, save_only_model=True)
+    trainer.train()
+    assert os.path.isdir(tmp_path / "global_step_3")
+    trainer.end()
+    with pytest.raises(ValueError, match="weights-only checkpoint .saved with save_only_model=True."):
+        _trainer(tmp_path, save_strategy="steps", save_steps=3, max_steps=6,
+                 save_only_model=True).train(resume_from_checkpoint=True)
