@@ -42,3 +42,10 @@ def test_weights_only_checkpoint_cannot_be_resumed(tmp_path):
     with pytest.raises(ValueError, match="weights-only checkpoint .saved with save_only_model=True."):
         _trainer(tmp_path, save_strategy="steps", save_steps=3, max_steps=6,
                  save_only_model=True).train(resume_from_checkpoint=True)
+
+
+def test_resume_true_names_plain_trainer_checkpoints(tmp_path):
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds checkpoint-3: checkpoints of transformers' Trainer on plain accelerate"):
+        _trainer(tmp_path).train(resume_from_checkpoint=True)

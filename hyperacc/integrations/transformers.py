@@ -184,9 +184,13 @@ class HyperaccTrainerMixin:
         if source is True:
             found = discovery.find_latest(self.args.output_dir)
             if found is None:
-                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir!r} holds no complete hyperacc "
-                                 "checkpoint (global_step_<N>/ with .metadata). Start without "
-                                 "resume_from_checkpoint, or pass the checkpoint's path.")
+                root = self.args.output_dir
+                foreign = sorted(n for n in (os.listdir(root) if os.path.isdir(root) else ()) if n.startswith("checkpoint-"))
+                why = (f" It holds {', '.join(foreign)}: checkpoints of transformers' Trainer on plain accelerate, "
+                       "which hyperacc does not resume (start a new run from their weights)." if foreign else "")
+                raise ValueError(f"resume_from_checkpoint=True but {root!r} holds no complete hyperacc checkpoint "
+                                 f"(global_step_<N>/ with .metadata).{why} Start without resume_from_checkpoint, or "
+                                 "pass the checkpoint's path.")
             return found
         return discovery.resolve_source(os.fspath(source), self.args.output_dir)
 
