@@ -180,7 +180,9 @@ def test_a_crash_at_any_point_leaves_a_loadable_model_and_the_next_save_cleans_u
             try:
                 save_model_sharded(versions[1], str(out), max_shard_size=new)
                 finished = True
-            except Crash:
+            except (Crash, RuntimeError) as err:     # RuntimeError: the export's own report when a group exists
+                if "Crash" not in f"{type(err).__name__}: {err}":
+                    raise
                 finished = False
         assert which_version(out, versions) in (0, 1)
         save_model_sharded(versions[2], str(out), max_shard_size=new)       # the next save: clean

@@ -12,6 +12,14 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, TrainingArguments  # noq
 from hyperacc.integrations.transformers import Trainer  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _no_group_left_behind():
+    """Each Trainer here starts a (1-rank) process group; later tests in this session expect none."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _trainer(out, **overrides):
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
