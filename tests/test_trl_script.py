@@ -148,6 +148,7 @@ def test_sft_script_full(setup, tmp_path):
     assert len(tokenizer) == model.config.vocab_size
 
 
+@pytest.mark.slow     # LoRA through SFTTrainer is in test_trainer.py's default run
 def test_sft_script_lora(setup, tmp_path):
     """`--use_peft --lora_r 4` under `accelerate launch` with hyperacc's 2-process FSDP2 config."""
     import peft

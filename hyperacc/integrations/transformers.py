@@ -230,6 +230,8 @@ class HyperaccTrainerMixin:
             self.callback_handler.callbacks.remove(fix)
 
     def _check_data_position(self, loader, epoch: int, batches: int) -> None:
+        if getattr(loader, "use_stateful_dataloader", False):
+            return          # torchdata's StatefulDataLoader restored its own position (accelerator_config)
         position = loader.restored_position() if hasattr(loader, "restored_position") else None
         if position is None:
             raise RuntimeError("the checkpoint restored no data position for the train DataLoader (saved with "

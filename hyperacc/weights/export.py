@@ -13,6 +13,7 @@ Where the files go, and how a save replaces hyperacc's own earlier export: `hype
 """
 from __future__ import annotations
 
+import builtins
 import copy
 import dataclasses
 import os
@@ -158,17 +159,27 @@ def _agree(fn, group):
     """Run ``fn`` on rank 0; its result, or its error, on every rank."""
     if not dist.is_initialized():
         return fn()
-    outcome = [None]
+    outcome, error = [None], None
     if dist.get_rank(group) == 0:
         try:
             outcome[0] = ("ok", fn())
         except Exception as err:  # noqa: BLE001 - re-raised on every rank below
-            outcome[0] = ("error", f"{type(err).__name__}: {err}")
+            error, outcome[0] = err, ("error", (type(err).__name__, str(err)))
     dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     kind, value = outcome[0]
     if kind == "error":
-        raise RuntimeError(f"Hugging Face export failed: {value}")
+        if error is not None:
+            raise error                 # rank 0: the error itself, as without a process group
+        raise _same_kind(*value)
     return value
+
+
+def _same_kind(name: str, message: str) -> Exception:
+    """Rank 0's error on the other ranks: the same built-in type (FileExistsError ...) where there is one."""
+    kind = getattr(builtins, name, None)
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        return kind(message)
+    return RuntimeError(f"Hugging Face export failed on rank 0: {name}: {message}")
 
 
 def _raise_if_any_failed(error: Optional[BaseException], group) -> None:
