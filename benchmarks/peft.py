@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 
+from rss import local_bytes, reset_peak, status
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 # This file is named like the `peft` package, and Python puts its folder first on sys.path: drop it,
@@ -56,12 +58,6 @@ MICRO_BATCH, SEQ = 2, 128
 RUNS = {"full": "full fine-tuning", "lora": "LoRA, bf16 base kept bf16", "upcast": "LoRA, base upcast to fp32"}
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
 class PeakMeter:
@@ -70,39 +66,24 @@ class PeakMeter:
     is then the largest phase peak). Elsewhere: ru_maxrss (since the process started), no phases."""
 
     def start(self) -> None:
-        self.base = _status("VmRSS")
-        self.phases = _reset_peak()
+        self.base = status("VmRSS")
+        self.phases = reset_peak()
         self.method = "VmHWM reset by clear_refs" if self.phases else "ru_maxrss (since process start)"
 
     def peak(self) -> int:
         if self.phases:
-            return _status("VmHWM") - self.base
+            return status("VmHWM") - self.base
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.base
 
     def phase(self) -> int:
         value = self.peak()
         if self.phases:
-            _reset_peak()
+            reset_peak()
         return value
 
 
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
 
 
-def local_bytes(tensors) -> int:
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        total += t.numel() * t.element_size()
-    return total
 
 
 def dir_bytes(path: str) -> int:
@@ -161,7 +142,7 @@ def worker(out_path: str, run: str, steps: int, layers: int, ckpt_dir: str) -> N
                               if isinstance(v, torch.Tensor) and v.dim() > 0)
 
     dist.barrier()
-    before_save = _status("VmRSS") - meter.base
+    before_save = status("VmRSS") - meter.base
     meter.start()
     start = time.perf_counter()
     saved = acc.save_state()

@@ -46,7 +46,6 @@ Worker (what each launch runs):
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+from rss import local_bytes, peak, reset_peak, status  # noqa: E402  (before this folder leaves sys.path)
+
 # benchmarks/peft.py is named like the `peft` package that transformers' Trainer imports, and Python
 # puts this script's folder first on sys.path: drop it, so that `import peft` finds the library.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
@@ -70,38 +71,12 @@ ENGINES = {"plain": "trl.SFTTrainer on accelerate (DDP, whole model per rank)",
            "hyperacc": "hyperacc SFTTrainer (FSDP2, dp_shard=2)"}
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
 
 
-def _peak() -> int:
-    try:
-        return _status("VmHWM")
-    except RuntimeError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def local_bytes(tensors) -> int:
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        total += t.numel() * t.element_size()
-    return total
 
 
 def worker(out_path: str, engine: str, steps: int, layers: int, seq: int, micro: int, accum: int,
@@ -134,18 +109,18 @@ def worker(out_path: str, engine: str, steps: int, layers: int, seq: int, micro:
             self.ends, self.cpu, self.state, self.mode = [], [], None, None
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            phases["prepared"] = _status("VmRSS") - base
-            phases["prepare_peak"] = _peak() - base
+            phases["prepared"] = status("VmRSS") - base
+            phases["prepare_peak"] = peak() - base
             self.kind = f"{type(model).__module__}.{type(model).__name__}"
-            self.mode = "VmHWM reset by clear_refs" if _reset_peak() else "ru_maxrss (since process start)"
+            self.mode = "VmHWM reset by clear_refs" if reset_peak() else "ru_maxrss (since process start)"
             self.ends.append(time.perf_counter())
             self.cpu.append(time.process_time())
             self.phases = dict.fromkeys(PHASES, 0)
 
         def _phase(self, name):
             """The peak since the last phase ended, above the baseline; VmHWM reset for the next one."""
-            self.phases[name] = max(self.phases[name], _peak() - base)
-            _reset_peak()
+            self.phases[name] = max(self.phases[name], peak() - base)
+            reset_peak()
 
         def on_step_begin(self, args, state, control, **kwargs):
             self._phase("between")
@@ -172,15 +147,15 @@ def worker(out_path: str, engine: str, steps: int, layers: int, seq: int, micro:
             self.cpu.append(time.process_time())
 
     meter = Meter()
-    _reset_peak()
-    base = _status("VmRSS")
+    reset_peak()
+    base = status("VmRSS")
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(**MODEL, num_hidden_layers=layers, eos_token_id=tokenizer.eos_token_id,
                                          pad_token_id=tokenizer.pad_token_id))
     total_params = sum(p.numel() for p in model.parameters())
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                             callbacks=[meter])
-    phases["built"] = _status("VmRSS") - base
+    phases["built"] = status("VmRSS") - base
     trainer.train()
     meter._phase("between")
     train_peak = max(meter.phases.values())
