@@ -57,3 +57,16 @@ def test_resume_true_names_plain_trainer_checkpoints(tmp_path):
     (tmp_path / "checkpoint-3" / "trainer_state.json").write_text("{}")
     with pytest.raises(ValueError, match="holds checkpoint-3: checkpoints of transformers' Trainer on plain accelerate"):
         _trainer(tmp_path).train(resume_from_checkpoint=True)
+
+
+@pytest.mark.parametrize("strategy, refused", [("checkpoint", True), ("all_checkpoints", True), ("end", False),
+                                               ("every_save", False)])
+def test_hub_strategies_that_push_checkpoints_are_refused(tmp_path, strategy, refused):
+    from hyperacc.integrations.trainer_args import refused_options
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], hub_strategy=strategy)
+    args.push_to_hub = True          # set after __post_init__, which would reach for the Hub
+    problems = refused_options(args)
+    assert bool(problems) == refused, problems
+    if refused:
+        assert f"hub_strategy='{strategy}'" in problems[0] and "hub_strategy='end'" in problems[0]

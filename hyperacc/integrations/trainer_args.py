@@ -43,6 +43,11 @@ def refused_options(args) -> List[str]:
         problems.append("TrainingArguments.fsdp_config['version']=1: accelerate's FSDP1 wrapping has no meaning on "
                         "hyperacc, which always shards with FSDP2 (fully_shard). Set fsdp_config={'version': 2} "
                         "or drop the fsdp options (hyperacc shards every decoder block by default).")
+    strategy = getattr(getattr(args, "hub_strategy", None), "value", getattr(args, "hub_strategy", None))
+    if getattr(args, "push_to_hub", False) and strategy in ("checkpoint", "all_checkpoints"):
+        problems.append(f"TrainingArguments.hub_strategy={strategy!r}: hyperacc's checkpoints are DCP "
+                        "shards, not the model folders the Hub expects. Use hub_strategy='end' (or 'every_save' for "
+                        "the exported model) and keep checkpoints on shared storage.")
     pc = getattr(args, "parallelism_config", None)
     if pc is not None and (getattr(pc, "cp_size", 1) or 1) > 1:
         problems.append(_CP_UNDER_TRAINER)
