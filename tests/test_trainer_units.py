@@ -1,4 +1,5 @@
 """hyperacc's Trainer in this process (1 rank): what `Trainer.end()` and a weights-only save leave behind."""
+import math
 import os
 
 import pytest
@@ -70,3 +71,28 @@ def test_hub_strategies_that_push_checkpoints_are_refused(tmp_path, strategy, re
     assert bool(problems) == refused, problems
     if refused:
         assert f"hub_strategy='{strategy}'" in problems[0] and "hub_strategy='end'" in problems[0]
+
+
+def test_reduce_every_micro_batch_becomes_sync_each_batch(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYPERACC_FSDP_REDUCE_EVERY_MICRO_BATCH", "true")
+    assert _trainer(tmp_path).accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False) is True
+    monkeypatch.delenv("HYPERACC_FSDP_REDUCE_EVERY_MICRO_BATCH")
+    assert _trainer(tmp_path).accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False) is False
+
+
+def test_a_fresh_run_into_another_runs_checkpoints_stops_before_training(tmp_path):
+    _trainer(tmp_path, save_strategy="steps", save_steps=3).train()
+    again = _trainer(tmp_path, save_strategy="steps", save_steps=3)
+    with pytest.raises(ValueError, match=r"already holds checkpoints of another run \(steps 3\)"):
+        again.train()
+    assert again.state.global_step == 0
+
+
+def test_evaluate_then_train_adopts_the_model_sharded_for_evaluation(tmp_path):
+    """Trainer prepares the model it evaluated again for training: hyperacc adopts the sharded model."""
+    trainer = _trainer(tmp_path)
+    trainer.eval_dataset = trainer.train_dataset
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate()["eval_loss"]
+    assert math.isfinite(before) and after < before, (before, after)
