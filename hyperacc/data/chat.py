@@ -1,0 +1,78 @@
+"""Conversations as training samples: rendered with the tokenizer's chat template, loss on the
+assistant's tokens only.
+
+Why the template decides: what the model must learn to produce is exactly what the template emits
+inside its ``{% generation %}`` blocks (the assistant's content and, as the template marks it, its
+end-of-turn token). transformers returns that as ``assistant_masks``
+(``apply_chat_template(..., return_assistant_tokens_mask=True)``); every other token -- system and
+user turns, role headers, tool results -- gets the label ``-100``. A template without generation
+blocks cannot say where the assistant's tokens are: it is refused, naming the fix, rather than
+guessed at from string offsets.
+
+Two record shapes, as TRL and the hub's chat sets store them:
+- ``{"messages": [{"role": ..., "content": ...}, ...]}`` (the column name is configurable);
+- ``{"prompt": [...messages], "completion": [...messages]}``: the completion's tokens are where the
+  rendered prompt (with the generation prompt) and the rendered conversation part, and only they
+  are trained on (intersected with the assistant mask).
+Labels are unshifted (``labels[i]`` is token ``i``), as transformers' causal-LM losses expect.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+IGNORE_INDEX = -100
+NO_GENERATION_BLOCKS = (
+    "the tokenizer's chat template marks no assistant tokens ({{% generation %}} blocks): hyperacc cannot tell "
+    "which tokens to train on. Use a training template that has them (e.g. TRL's trl/chat_templates/*_training.jinja "
+    "for your model family: tokenizer.chat_template = open(path).read()), or train on plain text (--data.format=text).")
+
+
+def _render(tokenizer, messages: Sequence[dict], *, chat_template: Optional[str], tools, mask: bool,
+            generation_prompt: bool = False) -> dict:
+    return tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True, chat_template=chat_template,
+                                         tools=tools, add_generation_prompt=generation_prompt,
+                                         return_assistant_tokens_mask=mask)
+
+
+def _as_list(ids) -> List[int]:
+    return [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+
+
+def render_messages(tokenizer, messages: Sequence[dict], *, chat_template: Optional[str] = None,
+                    tools=None) -> Dict[str, List[int]]:
+    """``input_ids`` of the whole conversation and ``labels``: the token on the assistant's tokens,
+    ``-100`` elsewhere. Raises when the conversation has an assistant turn the template marks nothing of."""
+    rendered = _render(tokenizer, messages, chat_template=chat_template, tools=tools, mask=True)
+    ids, mask = _as_list(rendered["input_ids"]), _as_list(rendered["assistant_masks"])
+    if any(m.get("role") == "assistant" for m in messages) and 1 not in mask:
+        raise ValueError(NO_GENERATION_BLOCKS)
+    return {"input_ids": ids, "labels": [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]}
+
+
+def render_prompt_completion(tokenizer, prompt: Sequence[dict], completion: Sequence[dict], *,
+                             chat_template: Optional[str] = None, tools=None) -> Dict[str, List[int]]:
+    """The conversation ``prompt + completion``, trained on the completion's assistant tokens only."""
+    prompt_ids = _as_list(_render(tokenizer, prompt, chat_template=chat_template, tools=tools, mask=False,
+                                  generation_prompt=True)["input_ids"])
+    sample = render_messages(tokenizer, list(prompt) + list(completion), chat_template=chat_template, tools=tools)
+    start = 0
+    for a, b in zip(prompt_ids, sample["input_ids"]):      # where the two renderings part
+        if a != b:
+            break
+        start += 1
+    sample["labels"] = [IGNORE_INDEX] * start + sample["labels"][start:]
+    return sample
+
+
+def render_record(tokenizer, record: dict, *, messages_column: str = "messages",
+                  chat_template: Optional[str] = None) -> Dict[str, List[int]]:
+    """One dataset record (``messages_column`` or prompt/completion) as ``input_ids`` and ``labels``."""
+    tools = record.get("tools")
+    if "prompt" in record and "completion" in record:
+        return render_prompt_completion(tokenizer, record["prompt"], record["completion"],
+                                        chat_template=chat_template, tools=tools)
+    if messages_column not in record:
+        raise KeyError(f"a chat record needs a {messages_column!r} column (role/content messages) or 'prompt' and "
+                       f"'completion'; this one has {sorted(record)}. Set --data.messages_column to the column "
+                       "that holds the conversation.")
+    return render_messages(tokenizer, record[messages_column], chat_template=chat_template, tools=tools)
