@@ -37,7 +37,7 @@ import transformers
 
 from hyperacc.integrations import trainer_args
 
-TRAINER_STATE_NAME = "trainer_state.json"
+TRAINER_STATE_NAME = transformers.trainer.TRAINER_STATE_NAME     # transformers' own name for the file
 
 
 class HyperaccTrainerMixin:
