@@ -96,3 +96,11 @@ def test_evaluate_then_train_adopts_the_model_sharded_for_evaluation(tmp_path):
     trainer.train()
     after = trainer.evaluate()["eval_loss"]
     assert math.isfinite(before) and after < before, (before, after)
+
+
+def test_resume_from_a_file_names_the_directory(tmp_path):
+    (tmp_path / "global_step_3").mkdir()
+    state = tmp_path / "global_step_3" / "trainer_state.json"
+    state.write_text("{}")
+    with pytest.raises(NotADirectoryError, match="is a file, not a checkpoint: pass the global_step_<N> directory"):
+        _trainer(tmp_path / "run").train(resume_from_checkpoint=str(state))

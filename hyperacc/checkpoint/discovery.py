@@ -98,6 +98,9 @@ def resolve_source(source: str, checkpoint_dir: str) -> Optional[str]:
                           "starting from scratch.", stacklevel=2)
         return found
     path = os.fspath(source)
+    if os.path.isfile(path):
+        raise NotADirectoryError(f"{path!r} is a file, not a checkpoint: pass the global_step_<N> directory that "
+                                 f"holds it ({os.path.dirname(os.path.abspath(path))!r}), a checkpoint root, or 'LATEST'.")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Checkpoint directory {path!r} does not exist (restore_from / "
                                 "load_state source). Pass an existing global_step_<N> directory, a "
