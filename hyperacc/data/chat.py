@@ -18,6 +18,7 @@ Labels are unshifted (``labels[i]`` is token ``i``), as transformers' causal-LM 
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Optional, Sequence
 
 IGNORE_INDEX = -100
@@ -25,6 +26,66 @@ NO_GENERATION_BLOCKS = (
     "the tokenizer's chat template marks no assistant tokens ({{% generation %}} blocks): hyperacc cannot tell "
     "which tokens to train on. Use a training template that has them (e.g. TRL's trl/chat_templates/*_training.jinja "
     "for your model family: tokenizer.chat_template = open(path).read()), or train on plain text (--data.format=text).")
+
+
+# ChatML (the Qwen family's turn format) with the assistant's content and its <|im_end|> inside generation
+# blocks: what the model learns to emit. hyperacc's own, for tokenizers without a training template.
+CHATML_TRAINING_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- generation -%}{{- message['content'] + '<|im_end|>' -}}{%- endgeneration -%}"
+    "{{- '\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+BUILTIN_TEMPLATES = {"chatml": CHATML_TRAINING_TEMPLATE}
+_PROBE = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+
+
+def _template_text(chat_template: str) -> str:
+    if chat_template in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[chat_template]
+    path = os.path.expanduser(chat_template)
+    if not os.path.isfile(path):
+        raise ValueError(f"chat template {chat_template!r} is neither a built-in template ({', '.join(BUILTIN_TEMPLATES)}) "
+                         "nor a file (a directory or a missing path). Fix: --data.chat_template=chatml, or the path "
+                         "of a Jinja template with {% generation %} blocks.")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if "{%" not in text and "{{" not in text:
+        raise ValueError(f"chat template file {chat_template!r} holds no Jinja ({{% ... %}} / {{{{ ... }}}}): it is not a "
+                         "chat template. Fix: pass the .jinja file of the template.")
+    return text
+
+
+def prepare_chat_tokenizer(tokenizer, chat_template: Optional[str] = None):
+    """``tokenizer`` ready to render training conversations; returns it (changed in place).
+
+    ``chat_template``: ``None`` keeps the tokenizer's own template; ``"chatml"`` is hyperacc's ChatML
+    training template (its ``<|im_start|>``/``<|im_end|>`` tokens are added as special tokens when the
+    vocabulary lacks them: size the model with ``len(tokenizer)`` afterwards); anything else is the path
+    of a Jinja file (e.g. TRL's ``chat_templates/qwen3_training.jinja``). A tokenizer without a pad token
+    pads with EOS. Raises one ValueError, naming the fix, when no template is set or the template marks no
+    assistant tokens -- before any data is read.
+    """
+    if chat_template is not None:
+        tokenizer.chat_template = _template_text(chat_template)
+        if chat_template == "chatml":
+            missing = [t for t in CHATML_TOKENS if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+            if missing:
+                tokenizer.add_tokens(missing, special_tokens=True)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template. Fix: "
+                         "--data.chat_template=chatml (hyperacc's ChatML training template) or the path of a Jinja "
+                         "template with {% generation %} blocks.")
+    if getattr(tokenizer, "pad_token_id", None) is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    render_messages(tokenizer, _PROBE)          # NO_GENERATION_BLOCKS now, not at the first record
+    return tokenizer
 
 
 def _render(tokenizer, messages: Sequence[dict], *, chat_template: Optional[str], tools, mask: bool,
@@ -76,3 +137,13 @@ def render_record(tokenizer, record: dict, *, messages_column: str = "messages",
                        f"'completion'; this one has {sorted(record)}. Set --data.messages_column to the column "
                        "that holds the conversation.")
     return render_messages(tokenizer, record[messages_column], chat_template=chat_template, tools=tools)
+
+
+def fit_sample(input_ids: Sequence[int], labels: Sequence[int], seq_len: int) -> Optional[Dict[str, List[int]]]:
+    """The sample cut to its first ``seq_len`` tokens, or None when nothing of it is trained then (the
+    model shifts: ``labels[0]`` is never a target, so a sample needs a label among ``labels[1:]``).
+    One rule for every source (HF records, Megatron files), so that they give the same samples."""
+    ids, lab = list(input_ids[:seq_len]), list(labels[:seq_len])
+    if all(t == IGNORE_INDEX for t in lab[1:]):
+        return None
+    return {"input_ids": ids, "labels": lab}
