@@ -179,10 +179,14 @@ def check_transformers_for_tp_ep(cfg):
 def check_parallel(cfg, world_size):
     """The parallel sizes (YAML/CLI, else the launch environment) against the world size."""
     from hyperacc.mesh import check_supported
+    from hyperacc.parallel.context import PACKED_ROWS
     try:
-        check_supported(cfg.parallel.resolved(world_size))
+        resolved = cfg.parallel.resolved(world_size)
+        check_supported(resolved)
     except (ValueError, NotImplementedError) as err:
         raise ConfigError(f"parallel sizes for {world_size} process(es): {err}") from None
+    if cfg.data.packing and resolved.cp_size > 1:
+        raise ConfigError(f"data.packing=true with parallel.cp_size={resolved.cp_size}: {PACKED_ROWS}")
 
 
 def check_compile(cfg):

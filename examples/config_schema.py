@@ -39,10 +39,21 @@ class ModelConfig:
 @dataclasses.dataclass
 class DataConfig:
     """Training data. ``dataset`` None = the embedded offline corpus; otherwise a hub id, a local
-    dataset/file path (the training script decides how to read it). ``tokenizer`` None = the
-    model's tokenizer when ``model.name_or_path`` is set, else the embedded offline tokenizer."""
+    dataset/file path or a Megatron prefix (the training script decides how to read it). ``tokenizer``
+    None = the model's tokenizer when ``model.name_or_path`` is set, else the embedded offline tokenizer.
+    ``format``: ``text`` (pre-training: packed ``seq_len`` windows of the ``text_column``) or ``chat``
+    (conversations in ``messages_column``, or prompt/completion, rendered with the chat template, loss
+    on the assistant's tokens only, each cut to ``seq_len``; None dataset = the embedded chat corpus).
+    ``chat_template``: ``chatml`` (hyperacc's ChatML training template; the default with the embedded
+    tokenizer) or the path of a Jinja template with ``{% generation %}`` blocks; None = the tokenizer's.
+    ``packing`` (chat): each micro-batch's conversations in one row without padding, kept apart --
+    the same samples per step and the same losses as padded rows, without the padding's cost."""
 
     dataset: Optional[str] = None
+    format: Literal["text", "chat"] = "text"
+    packing: bool = False
+    messages_column: str = "messages"
+    chat_template: Optional[str] = None
     name: Optional[str] = None
     split: str = "train"
     text_column: str = "text"
@@ -57,11 +68,17 @@ class DataConfig:
             raise ConfigError(f"data.seq_len={self.seq_len} must be >= 1. Fix: --data.seq_len=128")
         if self.num_proc < 1:
             raise ConfigError(f"data.num_proc={self.num_proc} must be >= 1. Fix: --data.num_proc=1")
+        if self.format == "text" and (self.packing or self.chat_template):
+            what = "data.packing=true" if self.packing else "data.chat_template"
+            raise ConfigError(f"{what} applies to chat data, but data.format=text (pre-training windows are full "
+                              f"seq_len rows already). Fix: --data.format=chat, or drop {what.split('=')[0]}.")
+        if self.format == "chat" and self.seq_len < 2:
+            raise ConfigError(f"data.seq_len={self.seq_len} cannot hold a conversation. Fix: --data.seq_len=512")
 
 
 @dataclasses.dataclass
 class TrainingConfig:
-    """The loop. Batch sizes are in samples (sequences of ``data.seq_len`` tokens);
+    """The loop. Batch sizes are in samples (sequences of ``data.seq_len`` tokens; chat: conversations);
     ``global_batch_size`` is per optimizer step over all data-parallel ranks and must be a
     multiple of ``micro_batch_size`` (and, at prepare time, of ``micro_batch_size * dp_size``).
     ``epochs``: at most this many passes over the data (training stops at ``max_steps`` or at

@@ -168,7 +168,6 @@ def preflight(cfg, world_size):
 
     Returns the tokenizer (train() sizes the model with it).
     """
-    from hyperacc.data.text import load_tokenizer
     from hyperacc.precision import get_recipe
     from hyperacc.training import check_dataset_path, check_model_config, check_optimizer, check_output_path
 
@@ -181,12 +180,6 @@ def preflight(cfg, world_size):
         except ConfigError as err:
             problems.append(str(err))
 
-    def tokenizer_or_error():
-        try:
-            return load_tokenizer(cfg.data.tokenizer or cfg.model.name_or_path)
-        except ValueError as err:
-            raise ConfigError(f"data.tokenizer: {err}") from None
-
     collect(check_output_path, log.metrics_file, "--logging.metrics_file", directory=False)
     collect(check_output_path, log.tensorboard_dir, "--logging.tensorboard_dir", directory=True)
     collect(check_peft_exports, cfg)
@@ -198,7 +191,7 @@ def preflight(cfg, world_size):
     collect(check_parallel, cfg, world_size)
     collect(check_compile, cfg)
     collect(check_transformers_for_tp_ep, cfg)
-    tokenizer = collect(tokenizer_or_error)
+    tokenizer = collect(load_data_tokenizer, cfg)
     if tokenizer is not None:
         config = collect(_model_config_or_error, cfg, len(tokenizer))
         if config is not None:
@@ -227,32 +220,52 @@ def _model_config_or_error(cfg, vocab_size):
                           "model.name_or_path as named.") from None
 
 
-def _tokenizer(cfg):
+def load_data_tokenizer(cfg):
+    """The data's tokenizer (the model is sized with its len()); for chat data ready to render
+    conversations: its template (data.chat_template; chatml for the embedded tokenizer) probed here."""
     from hyperacc.data.text import load_tokenizer
+
+    name = cfg.data.tokenizer or cfg.model.name_or_path
     try:
-        return len(load_tokenizer(cfg.data.tokenizer or cfg.model.name_or_path))
+        tokenizer = load_tokenizer(name)
+        if cfg.data.format == "chat":
+            from hyperacc.data.chat import prepare_chat_tokenizer
+
+            template = cfg.data.chat_template or ("chatml" if name in (None, "default") else None)
+            prepare_chat_tokenizer(tokenizer, template)
+        return tokenizer
     except ValueError as err:
-        raise ConfigError(f"data.tokenizer: {err}") from None
+        raise ConfigError(f"data.tokenizer: {' '.join(str(err).split())}") from None
+
+
+def _tokenizer(cfg):
+    return len(load_data_tokenizer(cfg))
 
 
 def build_data(cfg, acc, tokenizer):
-    """(train dataset, held-out dataset or None) via hyperacc.data.text.
+    """(train dataset, held-out dataset or None, collate_fn) via hyperacc.data.text or, for chat data,
+    hyperacc.data.chat_dataset (padded or packed micro-batches).
 
     Rank 0 tokenizes and fills the cache first, then the others read it. A failure on any rank
     (a hub dataset not in the cache, an unreadable file ...) is every rank's ConfigError.
     """
+    from hyperacc.data.chat_dataset import build_chat_dataset, chat_collate
     from hyperacc.data.text import build_train_dataset
     from hyperacc.training import raise_if_any_rank_failed
 
     d = cfg.data
-    common = dict(seq_len=d.seq_len, name=d.name, text_column=d.text_column, num_proc=d.num_proc)
+
+    def dataset(split):
+        if d.format == "chat":
+            return build_chat_dataset(d.dataset, tokenizer, seq_len=d.seq_len, split=split, name=d.name,
+                                      messages_column=d.messages_column, num_proc=d.num_proc)
+        return build_train_dataset(d.dataset, tokenizer, split=split, seq_len=d.seq_len, name=d.name,
+                                   text_column=d.text_column, num_proc=d.num_proc)[0]
 
     def build():
-        train_ds, _ = build_train_dataset(d.dataset, tokenizer, split=d.split, **common)
-        eval_ds = None
-        if cfg.eval.eval_steps:
-            eval_ds, _ = build_train_dataset(d.dataset, tokenizer, split=d.eval_split or "validation", **common)
-        return train_ds, eval_ds
+        train_ds = dataset(d.split)
+        eval_ds = dataset(d.eval_split or "validation") if cfg.eval.eval_steps else None
+        return train_ds, eval_ds, chat_collate(tokenizer, packing=d.packing) if d.format == "chat" else None
 
     result = None
     for turn in ("first", "rest"):           # rank 0's turn, then everyone else's
@@ -307,7 +320,7 @@ def run_job(cfg, tokenizer, acc):
 
     # Data, model, optimizer, schedule.
     heartbeat.phase = "building the data"
-    train_ds, eval_ds = build_data(cfg, acc, tokenizer)
+    train_ds, eval_ds, collate = build_data(cfg, acc, tokenizer)
     heartbeat.phase = "prepare"
     model = build_model(cfg, vocab_size=len(tokenizer), accelerator=acc)
     if cfg.peft.method != "none":
@@ -320,7 +333,7 @@ def run_job(cfg, tokenizer, acc):
     scheduler = lr_lambda_scheduler(optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.max_steps)
     loader = hyperacc.MicroBatchDataLoader(train_ds, global_batch_size=t.global_batch_size,
                                            micro_batch_size=t.micro_batch_size, shuffle=cfg.data.shuffle,
-                                           seed=t.seed)
+                                           seed=t.seed, collate_fn=collate)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     model.train()
     heartbeat.phase = "load_state"
@@ -350,7 +363,7 @@ def run_job(cfg, tokenizer, acc):
 
     def run_eval(step):
         result = evaluate(acc, model, eval_ds, batches=cfg.eval.eval_batches,
-                          batch_size=cfg.eval.eval_batch_size or t.micro_batch_size)
+                          batch_size=cfg.eval.eval_batch_size or t.micro_batch_size, collate_fn=collate)
         metrics.log_eval(step=step, loss=result["loss"])
 
     # The loop: one loader item = the micro-batches of one optimizer step.

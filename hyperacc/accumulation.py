@@ -14,7 +14,7 @@ all_gather of four integers over the CPU group: no device work, no device sync. 
 on the device and reduced across ranks only when ``step_loss`` is read (logging steps). Counters,
 one meaning each: ``step_tokens`` = valid label tokens (labels != -100 after the causal shift) of
 the step over all DP ranks, counted once although tp/cp peers hold them too; ``step_samples`` =
-sequences of the step over all DP ranks.
+sequences of the step over all DP ranks (the samples of packed rows each counted: `hyperacc.data.packing`).
 
 Accelerate-compatible mode (`accumulate(model)` with `gradient_accumulation_steps=k`) is
 accelerate's own: the Accelerator inherits it (FSDP2's sync flag set through `no_sync`).
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from hyperacc.config import FSDPConfig
+from hyperacc.data.packing import count_sequences
 from hyperacc.parallel.context import context_of
 
 IGNORE_INDEX = -100
@@ -158,7 +159,7 @@ class GradientAccumulator:
                 problem = str(err)
         tokens = [_micro_batch_tokens(mb) for mb in batch]   # host tensors: no device sync
         ids = [mb["input_ids"] for mb in batch if torch.is_tensor(mb.get("input_ids")) and mb["input_ids"].numel()]
-        local = [sum(tokens), sum(int(mb["labels"].shape[0]) for mb in batch),
+        local = [sum(tokens), sum(count_sequences(mb) for mb in batch),
                  max((int(i.max()) for i in ids), default=-1), -min((int(i.min()) for i in ids), default=0),
                  int(problem is not None)]
         total_tokens, samples, hi, neg_lo, bad = self._gather_counts(local)

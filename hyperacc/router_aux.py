@@ -19,7 +19,9 @@ from) collect each layer's router logits during one top-level forward; a hook on
 parallelism a sequence's counts and token number are summed over the cp group (detached: a few
 floats per sequence), while each rank's probabilities keep their gradient, so the cp ranks' shares
 add up to aux_s and each rank's tokens get exactly their gradient. transformers' own term is
-switched off (``output_router_logits=False``). Recomputation in backward records nothing.
+switched off (``output_router_logits=False``). Recomputation in backward records nothing. In packed rows
+(`hyperacc.data.packing`: position_ids restarting, no attention mask) each sample is its own sequence,
+so packing a step's samples leaves the term unchanged.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from hyperacc.data.packing import sequence_index
 
 MODES = ("sequence", "micro_batch")
 
@@ -80,7 +84,7 @@ class SequenceAuxLoss:
         self.coef = float(config.router_aux_loss_coef)
         self.experts, self.top_k = int(config.num_experts), int(config.num_experts_per_tok)
         self.weights, self.context = weights, context
-        self._recording, self._mask, self._shape = False, None, None
+        self._recording, self._mask, self._shape, self._samples = False, None, None, None
         router_class, self._index = router_recorder(model)
         self._routers = [module for module in model.modules() if isinstance(module, router_class)]
         for module in self._routers:
@@ -98,6 +102,9 @@ class SequenceAuxLoss:
         if mask is None and self._split():
             mask = self.context.token_mask
         self._mask = mask if torch.is_tensor(mask) and mask.dim() == 2 and tuple(mask.shape) == self._shape else None
+        positions = kwargs.get("position_ids")
+        packed = mask is None and torch.is_tensor(positions) and tuple(positions.shape[-2:]) == self._shape
+        self._samples = sequence_index(positions) if packed else None    # packed rows: one sequence per sample
         self._clear()
         self._recording = True
 
@@ -135,20 +142,33 @@ class SequenceAuxLoss:
         """Whether this forward sees cp pieces of its sequences (only inside step mode)."""
         return self.context is not None and self.context.active
 
+    def _sequence_of_tokens(self, device) -> Tuple[torch.Tensor, int]:
+        """Each token's sequence number (rows in order; the samples of a packed row each their own) and
+        how many sequences there are."""
+        batch, length = self._shape
+        if self._samples is None:
+            return torch.arange(batch, device=device).repeat_interleave(length), batch
+        samples = self._samples.to(device)
+        per_row = samples[:, -1] + 1
+        first = torch.cumsum(per_row, 0) - per_row                    # number of a row's first sample
+        return (samples + first.unsqueeze(1)).reshape(-1), int(per_row.sum())
+
     def sequence_shares(self, logits) -> torch.Tensor:
-        """This rank's share of each sequence's aux_s ([batch]); over the cp group they add up to aux_s."""
+        """This rank's share of each sequence's aux_s ([sequences]); over the cp group they add up to aux_s."""
         batch, length = self._shape
         device = logits[0].device
         mask = (self._mask.to(device=device, dtype=torch.float32) if self._mask is not None
-                else torch.ones(batch, length, device=device))
-        counts = torch.zeros(batch, self.experts, device=device)
-        probs = torch.zeros(batch, self.experts, device=device)
+                else torch.ones(batch, length, device=device)).reshape(-1, 1)
+        sequence, sequences = self._sequence_of_tokens(device)
+        counts = torch.zeros(sequences, self.experts, device=device)
+        probs = torch.zeros(sequences, self.experts, device=device)
         for layer in logits:
-            p = torch.softmax(layer.float(), dim=-1).view(batch, length, self.experts)
-            chosen = torch.topk(p, self.top_k, dim=-1).indices.reshape(batch, length * self.top_k)
-            counts.scatter_add_(1, chosen, mask.repeat_interleave(self.top_k, dim=1))
-            probs = probs + (p * mask.unsqueeze(-1)).sum(dim=1)
-        stats = torch.cat([counts, mask.sum(dim=1, keepdim=True)], dim=1).detach()
+            p = torch.softmax(layer.float(), dim=-1).view(batch * length, self.experts)
+            chosen = torch.zeros_like(p).scatter_(1, torch.topk(p, self.top_k, dim=-1).indices, 1.0)
+            counts.index_add_(0, sequence, chosen * mask)
+            probs = probs.index_add(0, sequence, p * mask)
+        tokens = torch.zeros(sequences, device=device).index_add_(0, sequence, mask.squeeze(1))
+        stats = torch.cat([counts, tokens.unsqueeze(1)], dim=1).detach()
         if self._split():                             # the whole sequence's counts and length
             dist.all_reduce(stats, group=self.context.group)
         counts, tokens = stats[:, :-1], stats[:, -1]

@@ -170,7 +170,7 @@ class _HubSplits:
 
 
 def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = None, split: str = "train",
-                      text_column: str = "text", holdout_fraction: float = DEFAULT_HOLDOUT_FRACTION,
+                      text_column: Optional[str] = "text", holdout_fraction: float = DEFAULT_HOLDOUT_FRACTION,
                       data_files=None):
     """Load one split of a text dataset with ``datasets``.
 
@@ -178,7 +178,8 @@ def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = No
     csv), a directory of such files, or a ``save_to_disk`` directory. ``split`` may use the
     ``datasets`` slicing syntax (``"train[:95%]"``). When the dataset has no ``validation`` split,
     ``"validation"`` is the last ``holdout_fraction`` of the ``train`` rows and ``"train"`` the rest
-    (``holdout_fraction=0`` keeps all of ``train``). Returns a ``datasets.Dataset``.
+    (``holdout_fraction=0`` keeps all of ``train``). ``text_column=None`` checks no column (chat records).
+    Returns a ``datasets.Dataset``.
     """
     import datasets
 
@@ -222,7 +223,7 @@ def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = No
             raise ValueError(f"unknown split {split!r} for dataset {path!r}; available splits: "
                              f"{', '.join(available)}" + (" (or 'validation' = the last holdout_fraction of "
                                                           "'train')" if "train" in available else ""))
-    if text_column not in ds.column_names:
+    if text_column is not None and text_column not in ds.column_names:
         raise ValueError(f"text column {text_column!r} not found in dataset {path!r}; available columns: "
                          f"{', '.join(ds.column_names)} (pass --text-column / text_column=...)")
     if len(ds) == 0:

@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hyperacc.data.packing import packed_boundaries
+
 IGNORE_INDEX = -100
 _KEYS = itertools.count()
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "token_type_ids")
@@ -118,6 +120,13 @@ def _heads_to_seq(x: torch.Tensor, cp: int, group) -> torch.Tensor:
     return y.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * h, d)
 
 
+# Ring/all-gather attention over a cp split sees one causal sequence per row: the samples of a packed
+# row would attend to each other across the pieces. Refused rather than computed wrong.
+PACKED_ROWS = ("context parallelism does not split packed rows (several samples in one row, position_ids "
+               "restarting): attention across the cp pieces would mix the samples. Fix: --data.packing=false "
+               "(padded rows) with parallel.cp_size > 1, or cp_size=1 to pack.")
+
+
 class ContextParallel:
     """One model's context parallelism: its cp group, its wrapped attention, and the micro-batch split."""
 
@@ -142,6 +151,8 @@ class ContextParallel:
         if key is None:
             raise ValueError("context parallelism needs input_ids (or inputs_embeds) in every micro-batch.")
         length = micro_batch[key].shape[1]
+        if packed_boundaries(micro_batch):
+            raise ValueError(PACKED_ROWS)
         if length % self.size:
             raise ValueError(f"sequence length {length} is not divisible by cp_size={self.size}: context "
                              f"parallelism splits each sequence into {self.size} equal pieces. Pad sequences "
