@@ -112,7 +112,7 @@ def _parse_argv(defaults, argv: Sequence[str]):
         seen[name] = flag = f"--{name}={text}"
         if text.strip().lower() in ("null", "none", "~", ""):
             text = "null"
-        elif tp is str:                                # a str field takes the text as typed
+        elif tp is str or _names_only(tp):             # a str field takes the text as typed ('off' is not False)
             text = _quoted(text)
         elif (tp is list or typing.get_origin(tp) is list) and not text.lstrip().startswith("["):
             text = "[" + ", ".join(_quoted(part.strip()) for part in text.split(",") if part.strip()) + "]"
@@ -124,6 +124,11 @@ def _parse_argv(defaults, argv: Sequence[str]):
             layer = OmegaConf.from_dotlist([f"{name}={_quoted(text)}"])
         overrides.append((flag, OmegaConf.to_container(layer)))
     return yaml_path, overrides
+
+
+def _names_only(tp) -> bool:
+    """A Literal of strings (e.g. ``Literal["sequence", "off"]``): YAML must not read ``off``/``no`` as bools."""
+    return typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp))
 
 
 def _quoted(text: str) -> str:

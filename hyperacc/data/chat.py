@@ -23,9 +23,11 @@ from typing import Dict, List, Optional, Sequence
 
 IGNORE_INDEX = -100
 NO_GENERATION_BLOCKS = (
-    "the tokenizer's chat template marks no assistant tokens ({{% generation %}} blocks): hyperacc cannot tell "
-    "which tokens to train on. Use a training template that has them (e.g. TRL's trl/chat_templates/*_training.jinja "
-    "for your model family: tokenizer.chat_template = open(path).read()), or train on plain text (--data.format=text).")
+    "the tokenizer's chat template marks no assistant tokens ({% generation %} blocks): hyperacc cannot tell "
+    "which tokens to train on. Fix: a training template that has them: --data.chat_template=chatml (hyperacc's "
+    "ChatML template, for Qwen-style <|im_start|> turns) or the path of one (e.g. TRL's "
+    "trl/chat_templates/<family>_training.jinja); in code prepare_chat_tokenizer(tokenizer, path). Or train on "
+    "plain text (--data.format=text).")
 
 
 # ChatML (the Qwen family's turn format) with the assistant's content and its <|im_end|> inside generation
