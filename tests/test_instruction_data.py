@@ -192,3 +192,21 @@ def test_bad_chat_configs_are_one_line(example, tmp_path, hyperacc_cache, monkey
     not_a_template.write_text("hello")
     assert "no Jinja" in config_error(example, ["--data.format=chat", f"--data.chat_template={not_a_template}"],
                                       preflight=True)
+
+
+def test_mixed_records_and_a_broken_row(chat_tokenizer, tmp_path):
+    """A file mixing messages and prompt/completion records (datasets fills the missing columns with None);
+    a record the template cannot render is named by its row."""
+    from hyperacc.data.chat import render_record
+    from hyperacc.data.chat_dataset import build_chat_dataset
+
+    pc = {"prompt": [{"role": "user", "content": "Two plus two?"}], "completion": [{"role": "assistant", "content": "Four."}]}
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(json.dumps(RECORDS[0]) + "\n" + json.dumps(pc) + "\n")
+    ds = build_chat_dataset(str(path), chat_tokenizer, seq_len=256, holdout_fraction=0)
+    assert [ds[i]["labels"].tolist() for i in range(2)] == [render_record(chat_tokenizer, r)["labels"] for r in (RECORDS[0], pc)]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(RECORDS[0]) + "\n" + json.dumps({"messages": [{"role": "user"},
+                                                                                {"role": "assistant", "content": "c"}]}) + "\n")
+    with pytest.raises(ValueError, match="record 1 of .*broken.jsonl.* cannot be rendered .*not a string"):   # no content
+        build_chat_dataset(str(broken), chat_tokenizer, seq_len=256, holdout_fraction=0)

@@ -33,7 +33,12 @@ NO_GENERATION_BLOCKS = (
 # ChatML (the Qwen family's turn format) with the assistant's content and its <|im_end|> inside generation
 # blocks: what the model learns to emit. hyperacc's own, for tokenizers without a training template.
 CHATML_TRAINING_TEMPLATE = (
+    "{%- if tools -%}{{- raise_exception('the chatml template does not render tool definitions: they would be "
+    "dropped silently. Fix: --data.chat_template=PATH of your model family\\'s training template with tools') -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
+    "{%- if message['content'] is not string -%}{{- raise_exception('the chatml template renders text content "
+    "only (a message has content that is not a string). Fix: flatten the content to text first') -}}{%- endif -%}"
     "{%- if message['role'] == 'assistant' -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
     "{%- generation -%}{{- message['content'] + '<|im_end|>' -}}{%- endgeneration -%}"
@@ -139,6 +144,22 @@ def render_record(tokenizer, record: dict, *, messages_column: str = "messages",
                        f"'completion'; this one has {sorted(record)}. Set --data.messages_column to the column "
                        "that holds the conversation.")
     return render_messages(tokenizer, record[messages_column], chat_template=chat_template, tools=tools)
+
+
+def render_row(tokenizer, row: dict, *, messages_column: str = "messages", where: str = "a record",
+               column_flag: str = "--data.messages_column") -> Dict[str, List[int]]:
+    """`render_record` for a dataset row, with one ValueError naming ``where`` (e.g. its row number) when it
+    cannot be rendered. A None field is an absent one: datasets fills a column that some records lack
+    with None (a file mixing messages and prompt/completion records)."""
+    record = {k: v for k, v in row.items() if v is not None}
+    try:
+        return render_record(tokenizer, record, messages_column=messages_column)
+    except KeyError:
+        raise ValueError(f"{where} has no {messages_column!r} messages and no 'prompt' + 'completion' (its fields: "
+                         f"{sorted(record)}). Fix: {column_flag} NAME of the column that holds the "
+                         "conversations.") from None
+    except Exception as e:  # noqa: BLE001 - a template error, messages of the wrong shape, ...
+        raise ValueError(f"{where} cannot be rendered with the chat template: {type(e).__name__}: {e}") from None
 
 
 def fit_sample(input_ids: Sequence[int], labels: Sequence[int], seq_len: int) -> Optional[Dict[str, List[int]]]:

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from hyperacc.data.chat import fit_sample, render_record
+from hyperacc.data.chat import fit_sample, render_row
 from hyperacc.data.collate import pad_collate
 from hyperacc.data.packing import pack_collate
 from hyperacc.data.text import DEFAULT_HOLDOUT_FRACTION, _carve, _tokenizer_fingerprint, is_megatron_spec
@@ -78,14 +78,12 @@ def check_chat_columns(columns, messages_column: str, where: str) -> None:
                      "of the column that holds the conversations.")
 
 
-def _render_rows(tokenizer, seq_len: int, messages_column: str, batch: dict) -> dict:
+def _render_rows(tokenizer, seq_len: int, messages_column: str, source: str, batch: dict, indices) -> dict:
     out = {"input_ids": [], "labels": []}
     names = list(batch)
-    for values in zip(*(batch[n] for n in names)):
-        record = dict(zip(names, values))
-        if record.get("tools") is None:
-            record.pop("tools", None)
-        sample = render_record(tokenizer, record, messages_column=messages_column)
+    for row, values in zip(indices, zip(*(batch[n] for n in names))):
+        sample = render_row(tokenizer, dict(zip(names, values)), messages_column=messages_column,
+                            where=f"record {row} of {source}")
         fitted = fit_sample(sample["input_ids"], sample["labels"], seq_len)
         if fitted is not None:
             out["input_ids"].append(fitted["input_ids"])
@@ -130,7 +128,8 @@ def build_chat_dataset(dataset, tokenizer, *, seq_len: int, split: str = "train"
     fingerprint = hashlib.sha256(identity.encode()).hexdigest()[:16]
     if num_proc is not None and num_proc <= 1:
         num_proc = None
-    rendered = rows.map(functools.partial(_render_rows, tokenizer, seq_len, messages_column), batched=True,
+    rendered = rows.map(functools.partial(_render_rows, tokenizer, seq_len, messages_column, source), batched=True,
+                        with_indices=True,
                         remove_columns=rows.column_names, num_proc=num_proc and min(num_proc, len(rows)),
                         new_fingerprint=fingerprint, desc="Rendering conversations")
     skipped = len(rows) - len(rendered)

@@ -25,7 +25,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from hyperacc.data.chat import IGNORE_INDEX, render_record
+from hyperacc.data.chat import IGNORE_INDEX, render_row
 from hyperacc.data.megatron import IndexedDataset, exists, normalize_prefix
 from hyperacc.data.megatron_writer import IndexedDatasetWriter
 from hyperacc.data.packed import SPLITS, _check_seq_len, holdout_cut
@@ -60,16 +60,8 @@ class ChatEncoder:
         first, columns = batch
         ids, masks = [], []
         for row, values in enumerate(zip(*columns.values()), start=first):
-            record = {k: v for k, v in zip(columns, values) if v is not None}  # datasets' None = field absent
-            try:
-                sample = render_record(self.tokenizer, record, messages_column=self.messages_column)
-            except KeyError:
-                raise ValueError(f"record {row} of {self.source} has no {self.messages_column!r} messages and no "
-                                 f"'prompt' + 'completion' (its fields: {sorted(record)}). Fix: --messages-column "
-                                 "NAME of the column that holds the conversations.") from None
-            except Exception as e:  # a template error, messages of the wrong shape, ...
-                raise ValueError(f"record {row} of {self.source} cannot be rendered with the chat template: "
-                                 f"{type(e).__name__}: {e}") from None
+            sample = render_row(self.tokenizer, dict(zip(columns, values)), messages_column=self.messages_column,
+                                where=f"record {row} of {self.source}", column_flag="--messages-column")
             ids.append(sample["input_ids"])
             masks.append([label != IGNORE_INDEX for label in sample["labels"]])
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
@@ -111,8 +103,8 @@ class ChatDatasetWriter:
             for w in (self.ids, self.mask):
                 finals = (w.bin_path, w.idx_path)
                 w.bin_path, w.idx_path = (p + tag for p in finals)   # finalize() renames into these
-                w.finalize()
                 moves += list(zip((w.bin_path, w.idx_path), finals))
+                w.finalize()
             # ids .bin, mask .bin, mask .idx, ids .idx: the pair a reader opens first (ids .idx) comes last
             for staged, final in (moves[0], moves[2], moves[3], moves[1]):
                 os.replace(staged, final)
