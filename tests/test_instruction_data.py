@@ -1,7 +1,8 @@
 """Chat data end to end: `hyperacc.data.chat_dataset` from local files, and examples/train_qwen.py with
 --data.format=chat on 2 real processes (accelerate launch, gloo, fp32, validate mode):
   - packing never changes what a step trains on: per-step losses packed vs padded within 1e-5 for a
-    dense (sdpa) and an MoE (eager, sequence-wise aux loss on) model;
+    dense model (sdpa, on Megatron chat files from the converter) and an MoE model (eager, sequence-wise
+    aux loss on, the embedded chat corpus); packed under TP 2 / EP 2 = padded under DP (slow set);
   - a chat run stopped after step 3 and resumed continues bitwise; resumed padded on ONE process it
     continues within 1e-5 (packing and the DP size are layout, not data);
   - bad input: one config error line naming the fix, before any process group.
@@ -36,9 +37,9 @@ def _losses(path):
         return [json.loads(line) for line in handle if '"loss"' in line and "eval_loss" not in line]
 
 
-def _launch(out, *args, num_processes=None):
+def _launch(out, *args, num_processes=None, env=None):
     return run_accelerate(SCRIPT, CPU2, [*COMMON, f"--logging.metrics_file={out / 'metrics.jsonl'}", *args],
-                          timeout=400, num_processes=num_processes)
+                          timeout=400, num_processes=num_processes, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +107,30 @@ def test_packed_checkpoint_resumes_padded_on_one_process(moe_runs, tmp_path):
     assert max_rel([r["loss"] for r in after], [r["loss"] for r in runs["packed"][STOP:]]) <= 1e-5
 
 
-def test_packed_and_padded_steps_agree_dense(dense_dir, tmp_path):
+@pytest.mark.skipif(not SLOW, reason="slow: set HYPERACC_SLOW_TESTS=1 (make test-all)")
+@pytest.mark.parametrize("layout", ["--parallel.tp_size=2", "--parallel.ep_size=2"])
+def test_packed_rows_under_tp_and_ep(moe_runs, layout, tmp_path):
+    _, runs = moe_runs
+    _launch(tmp_path, "--data.packing=true", f"--training.max_steps={STEPS}", layout)
+    run = _losses(tmp_path / "metrics.jsonl")
+    assert max_rel([r["loss"] for r in run], [r["loss"] for r in runs["padded"]]) <= 1e-5
+    assert max_rel([r["grad_norm"] for r in run], [r["grad_norm"] for r in runs["padded"]]) <= 1e-5
+
+
+def test_packed_and_padded_steps_agree_dense(dense_dir, tmp_path, hyperacc_cache):
+    """On Megatron chat files (ids + loss mask, written by the converter) and a dense model with sdpa."""
+    from hyperacc.data.convert import convert
+
+    records = tmp_path / "chat.jsonl"
+    records.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    convert(str(records), str(tmp_path / "sft"), format="chat", progress=False, log=None)
     losses = {}
     for packing in ("true", "false"):
         out = tmp_path / packing
         out.mkdir()
         _launch(out, f"--data.packing={packing}", f"--training.max_steps={STOP}", f"--model.name_or_path={dense_dir}",
-                "--data.tokenizer=default", "--model.attn_implementation=sdpa", "--model.router_aux_loss=off")
+                "--data.tokenizer=default", "--model.attn_implementation=sdpa", "--model.router_aux_loss=off",
+                f"--data.dataset={tmp_path / 'sft'}", env={"HYPERACC_CACHE": hyperacc_cache})
         losses[packing] = _losses(out / "metrics.jsonl")
     assert len(losses["true"]) == STOP and "aux_loss" not in losses["true"][0]
     assert max_rel([r["loss"] for r in losses["true"]], [r["loss"] for r in losses["false"]]) <= 1e-5
