@@ -87,7 +87,8 @@ def build_model(cfg, vocab_size=None, accelerator=None):
     if pretrained and accelerator is not None:
         # Full fine-tuning: stored as the recipe says. LoRA: the frozen base in peft.base_dtype (None: the files').
         dtype = base_dtype(cfg, None) if lora else get_recipe(cfg.fsdp.precision).param_dtype
-        model = load_pretrained(path, accelerator=accelerator, dtype=dtype)
+        model = load_pretrained(path, accelerator=accelerator, dtype=dtype,
+                                attn_implementation=cfg.model.attn_implementation or "eager")
         model.config.use_cache = False
         model.config = with_router_aux_loss(model.config, cfg.model.router_aux_loss != "off")
         return apply_peft(cfg, model) if lora else model

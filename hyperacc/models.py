@@ -46,13 +46,16 @@ def build_causal_lm(config, *, meta_device: bool = False, seed: Optional[int] = 
     """Instantiate a causal LM from a transformers config with random weights.
 
     ``meta_device=True`` allocates nothing: the model is initialised later, after sharding.
-    ``attn_implementation``: "eager" (default: bitwise reproducible everywhere), "sdpa", ...
+    ``attn_implementation``: "eager" (default: bitwise reproducible everywhere), "sdpa", "packed_sdpa"
+    (sdpa within each sample of packed rows: `hyperacc.packed_attention`), ...
     ``router_aux_loss``: the MoE load-balancing loss (None: on for models that have one; False:
     off), see `with_router_aux_loss`.
     ``experts_implementation``: MoE experts kernel ("grouped_mm", "eager" loop, ...; None: the
     transformers default, grouped_mm where supported).
     """
     from transformers import AutoModelForCausalLM
+
+    import hyperacc.packed_attention  # noqa: F401  (registers "packed_sdpa" with transformers)
 
     if seed is not None:
         torch.manual_seed(seed)
@@ -79,7 +82,7 @@ def has_pretrained_weights(path: str) -> bool:
     return any(n.endswith((".safetensors", ".bin")) and "model" in n for n in names)
 
 
-def load_pretrained(path_or_id: str, *, accelerator=None, dtype=None):
+def load_pretrained(path_or_id: str, *, accelerator=None, dtype=None, attn_implementation: str = "eager"):
     """Pretrained weights from a local directory or a hub id already in the local cache.
 
     With an ``accelerator`` the model comes back on the meta device, remembering its safetensors
@@ -87,19 +90,20 @@ def load_pretrained(path_or_id: str, *, accelerator=None, dtype=None):
     ever holds the whole model; see `hyperacc.weights.load`). Without one it is a plain
     `from_pretrained` on this process; loading on every rank, rather than rank 0 only, keeps the
     weights defined everywhere (accelerate's FSDP_CPU_RAM_EFFICIENT_LOADING would leave other
-    ranks empty).
+    ranks empty). ``attn_implementation`` as in `build_causal_lm`.
     """
     from transformers import AutoModelForCausalLM
 
+    import hyperacc.packed_attention  # noqa: F401  (registers "packed_sdpa" with transformers)
     from hyperacc.weights.files import resolve_model_dir
 
     if accelerator is not None:
         from hyperacc.weights.load import build_for_sharded_load
 
-        return build_for_sharded_load(path_or_id, dtype=dtype)
+        return build_for_sharded_load(path_or_id, dtype=dtype, attn_implementation=attn_implementation)
     with _without_ram_efficient_loading():
         return AutoModelForCausalLM.from_pretrained(resolve_model_dir(path_or_id), dtype=dtype,
-                                                    attn_implementation="eager")
+                                                    attn_implementation=attn_implementation)
 
 
 def _without_ram_efficient_loading():

@@ -1,7 +1,7 @@
 """Chat data end to end: `hyperacc.data.chat_dataset` from local files, and examples/train_qwen.py with
 --data.format=chat on 2 real processes (accelerate launch, gloo, fp32, validate mode):
   - packing never changes what a step trains on: per-step losses packed vs padded within 1e-5 for a
-    dense model (sdpa, on Megatron chat files from the converter) and an MoE model (eager, sequence-wise
+    dense model (packed_sdpa vs sdpa, on Megatron chat files from the converter) and an MoE model (eager, sequence-wise
     aux loss on, the embedded chat corpus); packed under TP 2 / EP 2 = padded under DP (slow set);
   - a chat run stopped after step 3 and resumed continues bitwise; resumed padded on ONE process it
     continues within 1e-5 (packing and the DP size are layout, not data);
@@ -118,18 +118,19 @@ def test_packed_rows_under_tp_and_ep(moe_runs, layout, tmp_path):
 
 
 def test_packed_and_padded_steps_agree_dense(dense_dir, tmp_path, hyperacc_cache):
-    """On Megatron chat files (ids + loss mask, written by the converter) and a dense model with sdpa."""
+    """On Megatron chat files (ids + loss mask, written by the converter) and a dense model: padded with sdpa,
+    packed with packed_sdpa (attention on each conversation's slice: hyperacc.packed_attention)."""
     from hyperacc.data.convert import convert
 
     records = tmp_path / "chat.jsonl"
     records.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     convert(str(records), str(tmp_path / "sft"), format="chat", progress=False, log=None)
     losses = {}
-    for packing in ("true", "false"):
+    for packing, attn in (("true", "packed_sdpa"), ("false", "sdpa")):
         out = tmp_path / packing
         out.mkdir()
         _launch(out, f"--data.packing={packing}", f"--training.max_steps={STOP}", f"--model.name_or_path={dense_dir}",
-                "--data.tokenizer=default", "--model.attn_implementation=sdpa", "--model.router_aux_loss=off",
+                "--data.tokenizer=default", f"--model.attn_implementation={attn}", "--model.router_aux_loss=off",
                 f"--data.dataset={tmp_path / 'sft'}", env={"HYPERACC_CACHE": hyperacc_cache})
         losses[packing] = _losses(out / "metrics.jsonl")
     assert len(losses["true"]) == STOP and "aux_loss" not in losses["true"][0]

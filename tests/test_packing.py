@@ -81,13 +81,17 @@ def test_pack_collate_refuses_what_it_cannot_pack(bad, needle):
         pack_collate([bad])
 
 
-@pytest.mark.parametrize("kind, attn", [("dense", "sdpa"), ("dense", "eager"), ("moe", "eager"), ("moe", "sdpa")])
+@pytest.mark.parametrize("kind, attn", [("dense", "sdpa"), ("dense", "eager"), ("dense", "packed_sdpa"),
+                                        ("moe", "eager"), ("moe", "sdpa"), ("moe", "packed_sdpa")])
 def test_packed_equals_samples_one_by_one(kind, attn):
     """Loss and gradients of one packed row == the token-weighted mean of the samples run alone,
     unpadded (plus, for MoE, the mean of their own sequence-wise aux terms)."""
+    from hyperacc import packed_attention
+
     model = _model(kind, attn)
     samples = _samples()
-    out = model(**pack_collate(samples))
+    packed_attention._last = (lambda: None, None)
+    out = model(**pack_collate(samples))       # packed_sdpa: the one forward with a (packed) mask here
     out.loss.backward()
     packed_loss, packed_grads = out.loss.detach(), _grads(model)
     model.zero_grad()
@@ -104,16 +108,18 @@ def test_packed_equals_samples_one_by_one(kind, attn):
             aux.append(alone.aux_loss)
     reference.backward()
     reference = reference.detach()
+    if attn == "packed_sdpa":                 # it did attend sample by sample (not the masked fallback)
+        assert packed_attention._last[1] == LENGTHS
     assert _rel(packed_loss, reference) <= 1e-6, (packed_loss, reference)
     assert _rel(packed_grads, _grads(model)) <= 1e-6
     if kind == "moe":
         assert _rel(out.aux_loss, torch.stack(aux).mean()) <= 1e-6
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_no_attention_across_samples(kind):
+@pytest.mark.parametrize("kind, attn", [("dense", "sdpa"), ("moe", "sdpa"), ("dense", "packed_sdpa")])
+def test_no_attention_across_samples(kind, attn):
     """A changed token in one sample leaves every other sample's logits bitwise unchanged."""
-    model = _model(kind, "sdpa").eval()
+    model = _model(kind, attn).eval()
     batch = pack_collate(_samples())
     changed = {k: v.clone() for k, v in batch.items()}
     where = LENGTHS[0] + 2                                   # inside sample 1
@@ -135,3 +141,42 @@ def test_context_parallel_refuses_packed_rows():
     padded = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long),
               "attention_mask": torch.ones(2, 8, dtype=torch.long)}
     assert cp.shard(padded)["input_ids"].shape == (2, 4)    # unpacked rows still split
+
+
+def _attention_inputs(mask):
+    """q, k, v of one row of sum(LENGTHS) tokens (4 query heads over 2 kv heads) and its 4-D mask."""
+    gen = torch.Generator().manual_seed(1)
+    total = sum(LENGTHS)
+    q, k, v = (torch.randn(1, heads, total, 8, generator=gen) for heads in (4, 2, 2))
+    return q, k, v, mask[None, None]
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups, is_causal = 2, True
+
+
+def test_packed_sdpa_takes_the_sample_path_only_for_the_exact_block_mask():
+    """packed_sdpa == sdpa with the mask, whatever the mask; the sample-by-sample path only when the mask
+    is the block-diagonal causal mask of the position_ids restarts (a padding mask, a window: fallback)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hyperacc import packed_attention as pa
+
+    positions = pack_collate(_samples())["position_ids"]
+    block = pa._block_causal(sequence_index(positions)[0])
+    padded = block.clone()
+    padded[:, -3:] = False                              # the last 3 keys masked: not what position_ids say
+    window = block & torch.triu(torch.ones_like(block), diagonal=-4)
+    for mask, expect_lengths in [(block, LENGTHS), (padded, None), (window, None)]:
+        q, k, v, m = _attention_inputs(mask)
+        pa._last = (lambda: None, None)
+        ours, _ = pa.packed_sdpa_attention(_Attention(), q, k, v, m, position_ids=positions, scaling=0.3)
+        assert pa._last[1] == expect_lengths
+        reference, _ = sdpa_attention_forward(_Attention(), q, k, v, m, scaling=0.3)
+        assert _rel(ours, reference) <= 1e-6
+    q, k, v, m = _attention_inputs(block)                # traced by dynamo: lengths are data -> the masked path
+    compiled = torch.compile(pa.packed_sdpa_attention, backend="eager", fullgraph=False)
+    pa._last = (lambda: None, None)
+    ours, _ = compiled(_Attention(), q, k, v, m, position_ids=positions, scaling=0.3)
+    reference, _ = sdpa_attention_forward(_Attention(), q, k, v, m, scaling=0.3)
+    assert pa._last[1] is None and _rel(ours, reference) <= 1e-6

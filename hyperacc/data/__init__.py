@@ -1,4 +1,4 @@
-"""Data: the stateful micro-batch loader, collators, text pipeline and Megatron format.
+"""Data: the stateful micro-batch loader, collators, text and chat pipelines and Megatron format.
 
 Exports are lazy so that `import hyperacc.data.megatron` (and the convert CLI) stay light.
 """
@@ -11,6 +11,11 @@ _EXPORTS = {
     "IndexedDatasetWriter": "hyperacc.data.megatron_writer",
     "PackedDataset": "hyperacc.data.packed",
     "BlendedDataset": "hyperacc.data.packed",
+    "prepare_chat_tokenizer": "hyperacc.data.chat",
+    "build_chat_dataset": "hyperacc.data.chat_dataset",
+    "chat_collate": "hyperacc.data.chat_dataset",
+    "pack_collate": "hyperacc.data.packing",
+    "ChatIndexedDataset": "hyperacc.data.megatron_chat",
 }
 __all__ = sorted(_EXPORTS)
 

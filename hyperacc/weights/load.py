@@ -43,6 +43,8 @@ def build_for_sharded_load(path_or_id: str, *, dtype=None, attn_implementation: 
     `fill_shards` loads them after sharding. ``dtype``: None keeps the checkpoint's (config's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    import hyperacc.packed_attention  # noqa: F401  (registers "packed_sdpa" with transformers)
+
     directory = resolve_model_dir(path_or_id)
     if not has_safetensors(directory):
         raise WeightsError(f"{directory} holds no model.safetensors or model.safetensors.index.json: hyperacc "
