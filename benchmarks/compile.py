@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 
+from step_timing import threads, timed_step
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {
     "tiny": {},
@@ -100,14 +102,7 @@ class Run:
         import torch.distributed as dist
 
         batch = next(self.batches)
-        dist.barrier()
-        start = time.perf_counter()
-        with self.acc.accumulate(self.model, batch) as micro_batches:
-            for mb in micro_batches:
-                self.acc.backward(self.model(**mb).loss)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        mine = (time.perf_counter() - start, self.frames() - self.frames0, [mb["input_ids"].shape[1] for mb in batch])
+        mine = (timed_step(self.acc, self.model, self.optimizer, batch), self.frames() - self.frames0, [mb["input_ids"].shape[1] for mb in batch])
         ranks = [None] * dist.get_world_size()      # (time, frames compiled so far, lengths) of each rank
         dist.all_gather_object(ranks, mine)
         self.record["times"].append(max(rank[0] for rank in ranks))
@@ -156,12 +151,6 @@ def worker(out: str, models: list, steps: int, var_steps: int, pads: list) -> No
             json.dump(results, handle)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def threads() -> int:
-    """Threads per process: the cores shared by the 2 processes (1 each on a 2-core machine); more
-    threads than cores only contend."""
-    return max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def launch(args, tmp: str) -> dict:

@@ -35,6 +35,8 @@ import sys
 import tempfile
 import time
 
+from step_timing import threads, timed_step
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {
     "moe": {},
@@ -78,14 +80,7 @@ class Run:
         import torch.distributed as dist
 
         batch = next(self.batches)
-        dist.barrier()
-        start = time.perf_counter()
-        with self.acc.accumulate(self.model, batch) as micro_batches:
-            for mb in micro_batches:
-                self.acc.backward(self.model(**mb).loss)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        elapsed = time.perf_counter() - start
+        elapsed = timed_step(self.acc, self.model, self.optimizer, batch)
         positions = sum(mb["input_ids"].numel() for mb in batch)
         real = sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb else mb["input_ids"].numel()
                    for mb in batch)
@@ -127,11 +122,6 @@ def worker(out: str, models: list, steps: int, seq_len: int) -> None:
             json.dump(results, handle)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def threads() -> int:
-    """Threads per process: the cores shared by the 2 processes."""
-    return max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def launch(args, tmp: str) -> dict:

@@ -55,19 +55,20 @@ def dense_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
-    """packed to STEPS; padded to STEPS; packed to STOP with a save, then resumed packed to STEPS."""
+    """packed to STEPS, saving at STOP; padded to STEPS; a new run restored from the packed run's step-STOP
+    checkpoint, packed to STEPS (the run that was stopped there, continued)."""
     root = tmp_path_factory.mktemp("chat_moe")
     runs = {}
     for name, packing in (("packed", "true"), ("padded", "false")):
         (root / name).mkdir()
-        _launch(root / name, f"--data.packing={packing}", f"--training.max_steps={STEPS}")
+        save = ["--checkpoint.save_ckpt=true", f"--checkpoint.checkpoint_dir={root / name / 'ckpt'}",
+                f"--checkpoint.save_steps={STOP}"] if name == "packed" else []
+        _launch(root / name, f"--data.packing={packing}", f"--training.max_steps={STEPS}", *save)
         runs[name] = _losses(root / name / "metrics.jsonl")
     stop = root / "stop"
     stop.mkdir()
-    ckpt = ["--checkpoint.save_ckpt=true", f"--checkpoint.checkpoint_dir={stop / 'ckpt'}", f"--checkpoint.save_steps={STOP}"]
-    _launch(stop, "--data.packing=true", f"--training.max_steps={STOP}", *ckpt)
-    resumed = _launch(stop, "--data.packing=true", f"--training.max_steps={STEPS}", *ckpt,
-                      "--checkpoint.restore_from=LATEST")
+    resumed = _launch(stop, "--data.packing=true", f"--training.max_steps={STEPS}", "--checkpoint.save_ckpt=false",
+                      f"--checkpoint.restore_from={root / 'packed' / 'ckpt' / f'global_step_{STOP}'}")
     assert f"resumed at step {STOP}" in resumed.stdout
     runs["resumed"] = _losses(stop / "metrics.jsonl")
     return root, runs
@@ -89,19 +90,16 @@ def test_packed_and_padded_steps_agree_moe(moe_runs):
 def test_resumed_chat_run_continues_bitwise(moe_runs):
     _, runs = moe_runs
     resumed, packed = runs["resumed"], runs["packed"]
-    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
-    for a, b in zip(resumed, packed):
+    assert [r["step"] for r in resumed] == list(range(STOP + 1, STEPS + 1))
+    for a, b in zip(resumed, packed[STOP:]):
         assert (a["step"], a["loss"], a["grad_norm"], a["aux_loss"]) == (b["step"], b["loss"], b["grad_norm"], b["aux_loss"])
 
 
 @pytest.mark.skipif(not SLOW, reason="slow: set HYPERACC_SLOW_TESTS=1 (make test-all)")
 def test_packed_checkpoint_resumes_padded_on_one_process(moe_runs, tmp_path):
     root, runs = moe_runs
-    import shutil
-
-    shutil.copytree(root / "stop" / "ckpt", tmp_path / "ckpt")
-    _launch(tmp_path, "--data.packing=false", f"--training.max_steps={STEPS}", "--checkpoint.save_ckpt=true",
-            f"--checkpoint.checkpoint_dir={tmp_path / 'ckpt'}", "--checkpoint.restore_from=LATEST", num_processes=1)
+    _launch(tmp_path, "--data.packing=false", f"--training.max_steps={STEPS}", "--checkpoint.save_ckpt=false",
+            f"--checkpoint.restore_from={root / 'packed' / 'ckpt' / f'global_step_{STOP}'}", num_processes=1)
     after = _losses(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in after] == list(range(STOP + 1, STEPS + 1))
     assert max_rel([r["loss"] for r in after], [r["loss"] for r in runs["packed"][STOP:]]) <= 1e-5

@@ -11,6 +11,7 @@ from dist_utils import REPO, run_python
 TOOL = REPO / "examples" / "loss_curves.py"
 
 
+@pytest.mark.slow      # its comparison, alignment and refusals are tested below without launching layouts
 def test_the_tool_compares_layouts_and_writes_curves(tmp_path):
     proc = run_python(TOOL, ["--steps", 4, "--layouts", "dp1", "dp2-mb1", "--tolerance", 1e-5, "--out", tmp_path],
                       timeout=400)
