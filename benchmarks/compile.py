@@ -31,14 +31,11 @@ import functools
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-from step_timing import threads, timed_step
+from step_timing import finish_workers, launch_workers, threads, timed_step
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {
     "tiny": {},
     "wide": dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
@@ -146,23 +143,13 @@ def worker(out: str, models: list, steps: int, var_steps: int, pads: list) -> No
             r["load"][f"var/p{pad}"] = f"{load:.1f} / {os.getloadavg()[0]:.1f}"
         if dist.get_rank() == 0:
             print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
-    if dist.get_rank() == 0:
-        with open(out, "w") as handle:
-            json.dump(results, handle)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_workers(out, results)
 
 
 def launch(args, tmp: str) -> dict:
-    out = os.path.join(tmp, "compile.json")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads()), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--worker", out, "--steps", str(args.steps), "--var-steps", str(args.var_steps),
-           "--models", *args.models, "--pads", *args.pads]
-    subprocess.run(cmd, check=True, env=env, cwd=REPO)
-    with open(out) as handle:
-        return json.load(handle)
+    return launch_workers(__file__, os.path.join(tmp, "compile.json"),
+                          ["--steps", str(args.steps), "--var-steps", str(args.var_steps), "--models", *args.models,
+                                  "--pads", *args.pads])
 
 
 def after_warmup(run: dict, how=statistics.median) -> float:

@@ -30,14 +30,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-from step_timing import threads, timed_step
+from step_timing import finish_workers, launch_workers, threads, timed_step
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {
     "moe": {},
     "dense": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
@@ -117,22 +114,12 @@ def worker(out: str, models: list, steps: int, seq_len: int) -> None:
         results[name]["load"] = f"{load:.1f} / {os.getloadavg()[0]:.1f}"
         if dist.get_rank() == 0:
             print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
-    if dist.get_rank() == 0:
-        with open(out, "w") as handle:
-            json.dump(results, handle)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_workers(out, results)
 
 
 def launch(args, tmp: str) -> dict:
-    out = os.path.join(tmp, "sft_data.json")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads()), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--worker", out, "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--models", *args.models]
-    subprocess.run(cmd, check=True, env=env, cwd=REPO)
-    with open(out) as handle:
-        return json.load(handle)
+    return launch_workers(__file__, os.path.join(tmp, "sft_data.json"),
+                          ["--steps", str(args.steps), "--seq-len", str(args.seq_len), "--models", *args.models])
 
 
 def tokens_per_s(run: dict) -> float:
