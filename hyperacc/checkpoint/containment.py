@@ -14,12 +14,15 @@ import os
 import shutil
 from typing import Union
 
+from hyperacc.checkpoint import _comm
+
 logger = logging.getLogger("hyperacc.checkpoint")
 
 RUN_CONFIG_FILE = "config.yaml"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
+@_comm.forwarded
 class ForeignPathError(RuntimeError):
     """hyperacc was about to write into or delete something it does not own (a symlink)."""
 

@@ -35,6 +35,7 @@ _DIGEST_FQN = "__hyperacc_file_digest__/"   # marks the write results that carry
 _CHUNK = 8 << 20
 
 
+@_comm.forwarded
 class IntegrityError(RuntimeError):
     """A checkpoint's files do not match its manifest (or the manifest is missing/unreadable)."""
 

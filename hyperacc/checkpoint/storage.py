@@ -36,6 +36,7 @@ def extra_state_path(path: str, rank: int) -> str:
 
 
 # --------------------------------------------------------------------------- safe deserialisation
+@_comm.forwarded
 class UnsafeCheckpointError(RuntimeError):
     """A checkpoint file holds something other than tensors and plain values."""
 
