@@ -50,6 +50,25 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def _map_style_length(dataset) -> int:
+    """len(dataset) of a map-style dataset. Step mode draws each step's samples by index from a
+    per-epoch order, which a stream (an iterable dataset) cannot give: refused, naming what works."""
+    length = None
+    if not isinstance(dataset, torch.utils.data.IterableDataset) and (hasattr(dataset, "__getitem__")
+                                                                      or hasattr(dataset, "__getitems__")):
+        try:
+            length = len(dataset)
+        except TypeError:
+            pass
+    if length is None:
+        raise TypeError(
+            f"MicroBatchDataLoader needs a map-style dataset (len() and dataset[i]); {type(dataset).__name__} is "
+            "iterable: pass map-style data (e.g. datasets' load_dataset without streaming=True), or a "
+            "torch.utils.data.DataLoader over the iterable dataset to Accelerator.prepare() with "
+            "gradient_accumulation_steps.")
+    return int(length)
+
+
 def micro_batches_per_step(global_batch_size: int, micro_batch_size: int, dp_size: int = 1) -> int:
     """Micro-batches each DP rank runs per optimizer step: the one place the divisibility rule lives
     (the loader, the example's config checks and its dry run all ask here)."""
@@ -98,11 +117,7 @@ class MicroBatchDataLoader:
             raise ValueError(f"resume_mismatch must be 'error' or 'restart', got {resume_mismatch!r}")
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
-        try:
-            num_samples = len(dataset)
-        except TypeError:
-            raise TypeError(f"MicroBatchDataLoader needs a map-style dataset with len(); "
-                            f"{type(dataset).__name__} has none") from None
+        num_samples = _map_style_length(dataset)
         if drop_last and num_samples < self._global_batch_size:
             raise ValueError(f"the dataset has {num_samples} samples, fewer than global_batch_size="
                              f"{self._global_batch_size}: with drop_last=True an epoch has no step; "

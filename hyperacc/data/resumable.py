@@ -8,6 +8,15 @@ that decided the epoch's order (sampler generator, global torch RNG) when it beg
 iteration replays the same epoch order and skips the batches already trained on, so a resumed run
 sees exactly the batches an uninterrupted one would.
 
+Iterable datasets (a torch `IterableDataset` without `__len__`, a streaming `datasets` dataset) go
+through accelerate's own sharding too (`IterableDatasetShard`, or `DataLoaderDispatcher` when
+batches are dispatched). A stream has no random access: its position is resumed by *replaying* it —
+the next iteration reads the batches already trained on again and drops them (accelerate's
+`skip_first_batches` does the same), with the epoch number and the torch RNG of the epoch's start
+restored first. That is exact for a stream that yields the same samples when read again for the
+same epoch (files, `datasets` streams shuffled with a seed and `set_epoch`, randomness drawn from
+torch's RNG); its cost grows with the position.
+
 Scripts written for accelerate skip batches themselves after `load_state`
 (`accelerator.skip_first_batches(loader, n)`). When such a call follows a restore, the explicit
 count is used instead of the restored one, never both: see `skip_first_batches`.
@@ -24,8 +33,9 @@ import torch
 class ResumableLoader:
     """Proxy around accelerate's `DataLoaderShard` / `DataLoaderDispatcher` (all attributes pass through)."""
 
-    def __init__(self, loader):
+    def __init__(self, loader, data_parallel_size: Optional[int] = None):
         self.base_loader = loader
+        self._processes = data_parallel_size      # ranks reading different data (None: not known)
         if hasattr(loader, "gradient_state"):
             loader.gradient_state = _RegisterAs(loader.gradient_state, self)
         self._batches_in_epoch = 0
@@ -39,7 +49,17 @@ class ResumableLoader:
         return int(getattr(self.base_loader, "iteration", 0))
 
     def __len__(self) -> int:
-        return len(self.base_loader)
+        return len(self.base_loader)       # TypeError for an iterable dataset without len(), as torch's
+
+    def __bool__(self) -> bool:
+        return True                         # never asks len(): a stream has none
+
+    def _length(self) -> Optional[int]:
+        """Batches per epoch; None for a stream (an iterable dataset without len(): it ends when it ends)."""
+        try:
+            return len(self.base_loader)
+        except TypeError:
+            return None
 
     def __iter__(self):
         replay = self._pending
@@ -109,25 +129,80 @@ class ResumableLoader:
         if self._stateful():
             return {"stateful": self.base_loader.state_dict()}
         start = self._epoch_start if self._epoch_start is not None else self._random_state()
-        return {"epoch": self.epoch, "batches": self._batches_in_epoch, "random_state": start,
-                "length": len(self.base_loader), "global_batch": self._global_batch()}
+        length = self._length()
+        state = {"epoch": self.epoch, "batches": self._batches_in_epoch, "random_state": start,
+                 "length": length, "global_batch": self._global_batch()}
+        if length is None:
+            # A stream's last batch is known only once it was read: accelerate flags it before yielding it.
+            state["at_end"] = bool(self._batches_in_epoch and getattr(self.base_loader, "end_of_dataloader", False))
+            state["split"] = self._stream_split()
+        return state
 
     def _global_batch(self) -> Optional[int]:
         """Samples one batch index covers over all data-parallel ranks (per-rank batch x ranks)."""
+        if self._length() is None:
+            return self._stream_batch()
         try:
             return int(self.base_loader.total_batch_size)
         except (AttributeError, TypeError):
             return None
+
+    def _stream_batch(self) -> Optional[int]:
+        """For a stream: the samples global batch ``k`` covers when it is the stream's ``k``-th run of
+        that many samples (accelerate's `DataLoaderDispatcher`, its `IterableDatasetShard`, or one
+        process reading alone); None when each rank reads shards of its own (`datasets`' ``shard()``),
+        where a position does not carry over to another split. (accelerate's ``total_batch_size``
+        counts one rank's batch for an `IterableDatasetShard`: not used here.)"""
+        from accelerate.data_loader import DataLoaderDispatcher, IterableDatasetShard
+
+        loader = self.base_loader
+        if isinstance(loader, DataLoaderDispatcher):
+            return loader.batch_size if loader.split_batches else loader.batch_size * loader.state.num_processes
+        dataset = getattr(loader, "dataset", None)
+        if isinstance(dataset, IterableDatasetShard):
+            return dataset.batch_size if dataset.split_batches else dataset.batch_size * dataset.num_processes
+        if self._processes == 1 and getattr(loader, "batch_size", None):
+            return int(loader.batch_size)
+        return None
+
+    def _stream_split(self) -> list:
+        """How a stream is split over the ranks: [per-rank batch, data-parallel ranks]."""
+        return [getattr(self.base_loader, "batch_size", None), self._processes]
 
     def load_state_dict(self, state: dict) -> None:
         if "stateful" in state:
             self.base_loader.load_state_dict(state["stateful"])
             return
         state = dict(state)
-        if state.get("length") is not None and int(state["length"]) != len(self.base_loader):
+        saved, now = state.get("length"), self._length()
+        if (saved is None) != (now is None):
+            kind = ["a stream (an iterable dataset without len())", "{} batches per epoch"]
+            raise ValueError(
+                f"The checkpoint's train DataLoader read {kind[saved is not None].format(saved)}, this one reads "
+                f"{kind[now is not None].format(now)}: its position cannot be restored. Keep the kind of dataset "
+                "of the saved run, or start from step 0.")
+        if saved is None:
+            if state.get("global_batch") != self._global_batch() or (
+                    self._global_batch() is None and state.get("split") != self._stream_split()):
+                state["batches"] = self._converted_stream_position(state)
+        elif int(saved) != now:
             state["batches"] = self._converted_position(state)
         self._pending = state
         self.base_loader.iteration = int(state["epoch"])
+
+    def _converted_stream_position(self, state: dict) -> int:
+        """A stream's position when only the split of its batches over the ranks changed: samples
+        read so far, in this loader's global batches. Else one clear error."""
+        saved, now = state.get("global_batch"), self._global_batch()
+        samples = int(state["batches"]) * saved if saved else None
+        if saved and now and samples % now == 0:
+            return samples // now
+        raise ValueError(
+            f"The checkpoint's train DataLoader read its stream in global batches of {saved or 'per-rank shards'}"
+            f" ({int(state['batches'])} batches into epoch {int(state['epoch'])}), this one reads "
+            f"{now or 'per-rank shards'}: the position cannot be restored exactly. Keep the batch over all "
+            "data-parallel processes (per-rank batch x processes) and, with per-rank shards, the number of "
+            "processes of the saved run, or start from step 0.")
 
     def _converted_position(self, state: dict) -> int:
         """The saved position in this loader's batches, when only the split of the same sample order
@@ -149,7 +224,8 @@ class ResumableLoader:
         if self._pending is None or "epoch" not in self._pending:
             return None
         epoch, batches = int(self._pending["epoch"]), int(self._pending["batches"])
-        if batches and batches >= len(self.base_loader):
+        length = self._length()
+        if batches and (self._pending.get("at_end") if length is None else batches >= length):
             self._pending = {"epoch": epoch + 1, "batches": 0, "random_state": None}
             self.base_loader.iteration = epoch + 1
             return epoch + 1, 0
@@ -197,11 +273,17 @@ class _RegisterAs:
         self._state = state
         self._proxy = weakref.ref(proxy)     # the loader holds this: no strong cycle back to the proxy
 
+    def _registered(self, dataloader):
+        # Compared with None, never by truth value: that would ask the proxy its len(), which an
+        # iterable dataset without __len__ does not have.
+        proxy = self._proxy()
+        return dataloader if proxy is None else proxy
+
     def _add_dataloader(self, dataloader):
-        self._state._add_dataloader(self._proxy() or dataloader)
+        self._state._add_dataloader(self._registered(dataloader))
 
     def _remove_dataloader(self, dataloader):
-        self._state._remove_dataloader(self._proxy() or dataloader)
+        self._state._remove_dataloader(self._registered(dataloader))
 
     def __getattr__(self, name):
         if name == "_state":             # not yet set (e.g. during unpickling)
@@ -214,15 +296,30 @@ class _RegisterAs:
 
 def prepare_plain_loader(accelerator, data_loader, device_placement=None, slice_fn_for_dispatch=None):
     """accelerate's own `prepare_data_loader`, sharded over the data-parallel ranks (not every rank:
-    tensor/expert-parallel peers read the same data), wrapped to resume its position."""
+    tensor/expert-parallel peers read the same data), wrapped to resume its position.
+
+    accelerate dispatches the batches of an iterable dataset by default (`DataLoaderDispatcher`: the
+    main process reads, every process gets a slice). The dispatcher slices over *all* processes, so
+    where some of them must read the same samples (fewer data-parallel ranks than processes) each
+    data-parallel rank reads its own share instead (`IterableDatasetShard`), and an explicit
+    ``dispatch_batches=True`` is refused."""
     from accelerate.data_loader import prepare_data_loader
 
+    dispatch = accelerator.dispatch_batches
+    if accelerator.dp_size != accelerator.num_processes:
+        if dispatch:
+            raise ValueError(
+                f"DataLoaderConfiguration(dispatch_batches=True) slices every batch over all {accelerator.num_processes} "
+                f"processes, but only {accelerator.dp_size} of them are data-parallel ranks (tensor/context/expert-"
+                "parallel peers read the same samples): set dispatch_batches=False (each data-parallel rank then "
+                "reads its own share).")
+        dispatch = False
     prepared = prepare_data_loader(
         data_loader, accelerator.device, num_processes=accelerator.dp_size, process_index=accelerator.dp_rank,
         split_batches=accelerator.split_batches,
         put_on_device=accelerator.device_placement if device_placement is None else device_placement,
-        rng_types=accelerator.rng_types.copy(), dispatch_batches=accelerator.dispatch_batches,
+        rng_types=accelerator.rng_types.copy(), dispatch_batches=dispatch,
         even_batches=accelerator.even_batches, slice_fn_for_dispatch=slice_fn_for_dispatch,
         use_seedable_sampler=accelerator.use_seedable_sampler, data_seed=accelerator.dataloader_config.data_seed,
         non_blocking=accelerator.non_blocking, use_stateful_dataloader=accelerator.use_stateful_dataloader)
-    return ResumableLoader(prepared)
+    return ResumableLoader(prepared, data_parallel_size=accelerator.dp_size)
