@@ -4,10 +4,7 @@ or only the model on the meta device (`check_peft_targets`).
 Each raises one ConfigError naming the problem and the fix; train_qwen.py runs them on every rank
 before anything is built (`load_config`, `preflight`), so every rank prints the same line.
 """
-import dataclasses
 import os
-
-import yaml
 
 from hyperacc.cli_config import ConfigError
 
@@ -99,58 +96,81 @@ def optimizer_config(cfg):
     return opt
 
 
-def check_checkpoint_start(cfg):
-    """The checkpoint directory's state against this run (hyperacc.checkpoint.lifecycle): a
-    ``restore_from`` that names no checkpoint, or a fresh run into a directory holding another run's
-    checkpoints, is refused; a resume must keep the LR schedule the checkpoint was trained on."""
-    from hyperacc.checkpoint.lifecycle import check_start
-
-    ck = cfg.checkpoint
-    try:
-        source = check_start(ck.checkpoint_dir, ck.restore_from, ck.save_ckpt)
-    except (FileNotFoundError, RuntimeError) as err:
-        raise ConfigError(f"checkpoint: {err}") from None
-    if source is not None:
-        check_resume_schedule(cfg, source)
-        check_resume_peft(cfg, source)
-
-
-def _saved_run_config(checkpoint):
-    """The example's config saved in ``checkpoint`` (nested dict), or None (written without it)."""
-    from hyperacc.checkpoint.containment import RUN_CONFIG_FILE
-
-    try:
-        with open(os.path.join(checkpoint, RUN_CONFIG_FILE), encoding="utf-8") as handle:
-            return yaml.safe_load(handle) or {}
-    except (OSError, yaml.YAMLError):
-        return None
-
-
-def check_resume_schedule(cfg, checkpoint):
-    """The LR schedule is a function of (lr_scheduler, total steps): changing either on resume would
-    rescale the schedule mid-run (e.g. a longer max_steps stretches the cosine: a jump in the LR)."""
-    saved = _saved_run_config(checkpoint)
-    if saved is None:
-        return      # a checkpoint written without the example's config: nothing to compare
-    old_sched, new_sched = dict(saved.get("lr_scheduler") or {}), dataclasses.asdict(cfg.lr_scheduler)
-    old_total = old_sched.pop("total_steps", None) or (saved.get("training") or {}).get("max_steps")
-    new_total = new_sched.pop("total_steps", None) or cfg.training.max_steps
-    changed = [f"lr_scheduler.{k}: {old_sched[k]!r} -> {v!r}" for k, v in new_sched.items()
-               if k in old_sched and old_sched[k] != v]
-    if old_total is not None and int(old_total) != int(new_total):
-        changed.insert(0, f"schedule length (lr_scheduler.total_steps or training.max_steps): {old_total} -> {new_total}")
-    if changed:
-        keep = f" --lr_scheduler.total_steps={old_total}" if old_total is not None else ""
-        raise ConfigError(f"resuming {checkpoint} would change its LR schedule mid-run ({'; '.join(changed)}). Fix: "
-                          f"keep the checkpoint's schedule{keep and ' with' + keep} (training.max_steps may then differ), "
-                          "or start a new run in another --checkpoint.checkpoint_dir.")
-
-
 def check_router_aux(cfg, config):
+    """An MoE-only option on a dense model does nothing: refused when set (its default, None, adapts:
+    the sequence-wise load-balancing loss for MoE routers, nothing for dense models)."""
     mode = cfg.model.router_aux_loss
     if mode in ("sequence", "micro_batch") and not hasattr(config, "router_aux_loss_coef"):
         raise ConfigError(f"model.router_aux_loss={mode} but {type(config).__name__} is a dense model (no MoE "
-                          "router). Fix: drop --model.router_aux_loss (or set it to off).")
+                          "router). Fix: drop --model.router_aux_loss (its default adapts to the model), or set it "
+                          "to off.")
+
+
+def check_attn_implementation(cfg, config=None):
+    """``model.attn_implementation`` (and, for an MoE ``config``, ``model.experts_implementation``) names a
+    kernel that transformers or hyperacc registered (hyperacc's ``packed_sdpa`` included) -- checked here,
+    not by transformers once the data is rendered and the model built. A hub kernel ("org/repo") passes:
+    only loading it can tell."""
+    import hyperacc.packed_attention  # noqa: F401 - registers "packed_sdpa", as build_model does
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, ALL_EXPERTS_FUNCTIONS
+
+    from hyperacc.components import _hint
+
+    name = cfg.model.attn_implementation
+    known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if name is not None and name not in known and "/" not in name:
+        raise ConfigError(f"model.attn_implementation={name!r} is not an attention implementation transformers or "
+                          f"hyperacc provides.{_hint(known, name)} Fix: --model.attn_implementation= one of "
+                          f"{', '.join(sorted(known))} (or null: eager).")
+    experts, moe = cfg.model.experts_implementation, hasattr(config, "router_aux_loss_coef")
+    known = ["eager", *ALL_EXPERTS_FUNCTIONS.keys()]
+    if moe and experts is not None and experts not in known:
+        raise ConfigError(f"model.experts_implementation={experts!r} is not an experts kernel transformers "
+                          f"provides.{_hint(known, experts)} Fix: --model.experts_implementation= one of "
+                          f"{', '.join(sorted(known))} (or null: transformers' default).")
+
+
+# An option only its switch gives a meaning to: (switch, is it on, its options, how to turn it on).
+SWITCHES = (
+    ("fsdp.compile", lambda c: c.fsdp.compile, ("fsdp.compile_backend", "fsdp.compile_mode", "fsdp.compile_fullgraph",
+                                                "fsdp.compile_dynamic"), "--fsdp.compile=true"),
+    ("checkpoint.save_ckpt", lambda c: c.checkpoint.save_ckpt,
+     ("checkpoint.save_steps", "checkpoint.save_epochs", "checkpoint.keep_last_n", "checkpoint.is_async",
+      "checkpoint.save_consolidated", "checkpoint.save_optimizer", "checkpoint.save_train_state",
+      "checkpoint.save_extra_state_per_rank"), "--checkpoint.save_ckpt=true"),
+    ("checkpoint.restore_from", lambda c: c.checkpoint.restore_from is not None,
+     ("checkpoint.restore_optimizer", "checkpoint.restore_train_state"), "--checkpoint.restore_from=LATEST"),
+    ("eval.eval_steps", lambda c: c.eval.eval_steps > 0, ("eval.eval_batches", "eval.eval_batch_size"),
+     "--eval.eval_steps=N"),
+    ("lr_scheduler.decay", lambda c: c.lr_scheduler.decay != "constant", ("lr_scheduler.min_lr_ratio",),
+     "--lr_scheduler.decay=cosine"),
+    ("data.format", lambda c: c.data.format == "chat", ("data.messages_column",), "--data.format=chat"),
+    ("data.format", lambda c: c.data.format == "text", ("data.text_column",), "--data.format=text"),
+)
+
+
+def check_switches(cfg, given):
+    """An option given (YAML or flag; ``given`` from `hyperacc.cli_config.given_keys`) while the switch
+    that gives it a meaning is off would be ignored silently: refused, as ``--peft.*`` with
+    ``peft.method=none`` is. Not when the switch was turned off after the option was given (a flag
+    disabling what the YAML file configures)."""
+    for switch, on, options, fix in SWITCHES:
+        if on(cfg):
+            continue
+        for option in options:
+            if option in given and given[option] >= given.get(switch, 0):
+                section, name = option.split(".")
+                value = getattr(getattr(cfg, section), name)
+                state = getattr(getattr(cfg, switch.split(".")[0]), switch.split(".")[1])
+                raise ConfigError(f"{option}={_shown(value)} is set but {switch}={_shown(state)} does not use it (it "
+                                  f"would be ignored). Fix: {fix} to use it, or drop {option}.")
+
+
+def _shown(value) -> str:
+    """A value as it is written on the command line (true, null, 3, text)."""
+    if value is None or isinstance(value, bool):
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
 
 
 MIN_TRANSFORMERS_TP_EP = (5, 23)   # transformers.distributed.expert_parallel with ep_implementation=
@@ -246,27 +266,6 @@ def check_peft_exports(cfg):
             raise ConfigError(f"{flag}={path!r} already holds files ({sorted(os.listdir(full))[0]}, ...): the export "
                               f"is written into a new or empty directory, never over another one. Fix: choose a new "
                               f"{flag}, or empty that directory.")
-
-
-def check_resume_peft(cfg, checkpoint):
-    """An adapters-only checkpoint holds what was trained and nothing else: every ``peft`` option but
-    the export directories must be the checkpoint's (the LoRA shapes, targets and the base's dtype; a
-    switch between LoRA and full fine-tuning). The base itself is checked by hyperacc when the
-    checkpoint is loaded (its fingerprint, saved with the adapters)."""
-    saved = _saved_run_config(checkpoint)
-    if saved is None:
-        return
-    from config_schema import PeftConfig
-
-    defaults = dataclasses.asdict(PeftConfig())
-    old = {**defaults, **(saved.get("peft") or {})}      # a checkpoint from before --peft.*: full fine-tuning
-    new = dataclasses.asdict(cfg.peft)
-    changed = [f"peft.{k}: {old[k]!r} -> {new[k]!r}" for k in defaults if k not in PEFT_OUTPUTS and old[k] != new[k]]
-    if changed:
-        raise ConfigError(f"resuming {checkpoint} would change its fine-tuning setup ({'; '.join(changed)}): the "
-                          "checkpoint holds only what that setup trains. Fix: resume with the checkpoint's peft "
-                          "options (its config.yaml lists them; peft.export_dir and peft.merged_export_dir may "
-                          "differ), or start a new run in another --checkpoint.checkpoint_dir.")
 
 
 def _matches(name, target) -> bool:

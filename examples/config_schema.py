@@ -31,7 +31,8 @@ class ModelConfig:
     # None = transformers' default) and the router's load-balancing loss (coefficient from the config):
     # "sequence" (per sequence, the same in every layout), "micro_batch" (transformers' own: over each
     # forward's tokens, so it changes with the micro-batch size and the cp split) or "off";
-    # None = "sequence" for MoE models (an explicit mode on a dense model is an error).
+    # None (the default) = "sequence" for MoE models, none for dense ones (an explicit mode on a dense
+    # model is an error: it would do nothing).
     experts_implementation: Optional[str] = "grouped_mm"
     router_aux_loss: Optional[Literal["sequence", "micro_batch", "off"]] = None
 
@@ -47,7 +48,11 @@ class DataConfig:
     ``chat_template``: ``chatml`` (hyperacc's ChatML training template; the default with the embedded
     tokenizer) or the path of a Jinja template with ``{% generation %}`` blocks; None = the tokenizer's.
     ``packing`` (chat): each micro-batch's conversations in one row without padding, kept apart --
-    the same samples per step and the same losses as padded rows, without the padding's cost."""
+    the same samples per step and the same losses as padded rows, without the padding's cost.
+    ``resume_mismatch``: a resume whose data differs from the checkpoint's (another dataset, seq_len,
+    tokenizer, template, global batch size: the saved position would name other samples) is refused
+    (``error``, before anything is built where the saved config tells) or restarts the data at the start
+    of the saved epoch with the model, optimizer and progress restored (``restart``)."""
 
     dataset: Optional[str] = None
     format: Literal["text", "chat"] = "text"
@@ -62,6 +67,7 @@ class DataConfig:
     num_proc: int = 1
     shuffle: bool = True
     eval_split: Optional[str] = None
+    resume_mismatch: Literal["error", "restart"] = "error"
 
     def validate(self):
         if self.seq_len < 1:

@@ -15,21 +15,22 @@ below is all there is to the training itself.
 import datetime
 import os
 import sys
-import time
 
 import yaml
 
 # Make `import hyperacc` (and the schema beside this file) work from a source checkout.
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
-from config_checks import (MIN_TRANSFORMERS_TP_EP, check_checkpoint_start, check_model_dtype,  # noqa: E402,F401
-                           check_compile, check_parallel, check_paths, check_peft_exports, check_peft_installed, check_peft_layout,
-                           check_router_aux, check_transformers_for_tp_ep, optimizer_config)
+from config_checks import check_model_dtype, check_paths, check_peft_installed, check_peft_layout, check_switches  # noqa: E402
+from config_checks import MIN_TRANSFORMERS_TP_EP, check_transformers_for_tp_ep, optimizer_config  # noqa: E402,F401 - tests use them from here
 from config_schema import TrainConfig, check_batch  # noqa: E402
-from lora_setup import apply_peft, base_dtype, export_peft  # noqa: E402
-from hyperacc.cli_config import ConfigError, config_file, dump_config, format_config, parse_config  # noqa: E402
+from exit_report import exit_with  # noqa: E402
+from lora_setup import export_peft  # noqa: E402
+from model_setup import build_model, model_config  # noqa: E402,F401 - tests patch build_model here
+from preflight_checks import dry_run, memory_plan, preflight  # noqa: E402,F401
+from resume_checks import check_checkpoint_start  # noqa: E402,F401 - tests use it from here
+from hyperacc.cli_config import ConfigError, config_file, dump_config, format_config, given_keys, parse_config  # noqa: E402
 
-LINGER_S = 3.0   # see _exit_with
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3_moe_tiny.yaml")
 
 
@@ -42,6 +43,7 @@ def load_config(argv):
     """
     config_path = config_file(TrainConfig, argv)
     cfg = parse_config(TrainConfig, None if config_path else DEFAULT_CONFIG, argv=argv)
+    check_switches(cfg, given_keys(TrainConfig, None if config_path else DEFAULT_CONFIG, argv))
     check_model_dtype(cfg)
     check_peft_installed(cfg)
     check_peft_layout(cfg)
@@ -51,196 +53,6 @@ def load_config(argv):
     world = world or int(os.environ.get("WORLD_SIZE", "0")) or (8 if t.dry_run else 1)
     check_batch(t, world // (max(1, p.tp_size) * max(1, p.cp_size)))
     return cfg, world
-
-
-def model_config(cfg, vocab_size=None):
-    """The transformers config: the preset (or the pretrained config) + overrides, no KV cache."""
-    from hyperacc.models import qwen3_moe_config
-
-    overrides = dict(cfg.model.overrides)
-    if vocab_size is not None and "vocab_size" not in overrides:
-        overrides["vocab_size"] = vocab_size
-    if cfg.model.name_or_path:
-        from transformers import AutoConfig
-        config = AutoConfig.from_pretrained(cfg.model.name_or_path)
-        for key, value in overrides.items():
-            setattr(config, key, value)
-    elif cfg.model.preset == "tiny":
-        config = qwen3_moe_config(**overrides)
-    else:
-        raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown. Fix: --model.preset=tiny "
-                          "(with model.overrides) or set model.name_or_path.")
-    config.use_cache = False
-    return config
-
-
-def build_model(cfg, vocab_size=None, accelerator=None):
-    """On the meta device (random init after sharding), or, with ``accelerator``, the pretrained
-    weights when present (a directory or a hub id in the local cache; each rank later reads only its
-    own shards of them in ``prepare``). Without one (planning) the pretrained config, on meta.
-    With ``peft.method=lora``: the same base, frozen in ``peft.base_dtype``, under LoRA adapters."""
-    from hyperacc.models import build_causal_lm, has_pretrained_weights, load_pretrained, with_router_aux_loss
-    from hyperacc.precision import get_recipe
-
-    path, lora = cfg.model.name_or_path, cfg.peft.method == "lora"
-    pretrained = bool(path) and has_pretrained_weights(path)
-    if pretrained and accelerator is not None:
-        # Full fine-tuning: stored as the recipe says. LoRA: the frozen base in peft.base_dtype (None: the files').
-        dtype = base_dtype(cfg, None) if lora else get_recipe(cfg.fsdp.precision).param_dtype
-        model = load_pretrained(path, accelerator=accelerator, dtype=dtype,
-                                attn_implementation=cfg.model.attn_implementation or "eager")
-        model.config.use_cache = False
-        model.config = with_router_aux_loss(model.config, cfg.model.router_aux_loss != "off")
-        return apply_peft(cfg, model) if lora else model
-    config = model_config(cfg, vocab_size)
-    moe = hasattr(config, "router_aux_loss_coef")
-    model = build_causal_lm(config, meta_device=True, attn_implementation=cfg.model.attn_implementation or "eager",
-                            router_aux_loss=cfg.model.router_aux_loss != "off",
-                            experts_implementation=cfg.model.experts_implementation if moe else None)
-    if not lora:
-        return model
-    from hyperacc.sharding import cast_parameters
-
-    # The base as training will store it: the pretrained files' dtype (planning), else bf16 (random init).
-    cast_parameters(model, base_dtype(cfg, config if pretrained else None, random_base=not pretrained))
-    return apply_peft(cfg, model)
-
-
-def check_peft_model(cfg, vocab_size):
-    """preflight: the LoRA setup applies to the model (built on the meta device: no memory)."""
-    if cfg.peft.method != "none":
-        build_model(cfg, vocab_size=vocab_size)
-
-
-def memory_plan(cfg, world_size, vocab_size=None, device_type="cuda"):
-    """The dry-run planner's ShardingPlan for this config on `world_size` ranks (meta model, no process group)."""
-    from hyperacc.dry_run import plan_sharding
-
-    model = build_model(cfg, vocab_size=vocab_size)
-    fsdp, p = cfg.fsdp, cfg.parallel
-    try:
-        return plan_sharding(
-            model, world_size=world_size, dp_replicate=p.dp_replicate_size, tp=p.tp_size, cp=p.cp_size,
-            ep=p.ep_size, wrap_classes=fsdp.wrap_classes, mixed_precision=fsdp.mixed_precision,
-            precision=fsdp.precision, cpu_offload=fsdp.cpu_offload,
-            activation_checkpointing=fsdp.activation_checkpointing, reshard_after_forward=fsdp.reshard_after_forward,
-            micro_batch_size=cfg.training.micro_batch_size, seq_len=cfg.data.seq_len,
-            eager_attention=cfg.model.attn_implementation in (None, "eager"), device_type=device_type,
-            reduce_every_micro_batch=bool(fsdp.reduce_every_micro_batch),
-            micro_batches=check_batch(cfg.training, max(1, world_size // (p.tp_size * p.cp_size))))
-    except ValueError as err:
-        raise ConfigError(f"dry run for {world_size} ranks: {err}") from None
-
-
-def check_fits(cfg, plan):
-    """One ConfigError when the plan's device peak exceeds training.device_memory_gb."""
-    from hyperacc.dry_run import check_fits as plan_fits
-
-    try:
-        plan_fits(plan, cfg.training.device_memory_gb)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-
-
-def dry_run(cfg, world_size):
-    """Plan the sharding for `world_size` ranks and estimate memory per rank; no process group."""
-    from hyperacc.dry_run import format_plan, write_report
-    from hyperacc.runtime import DEVICE_ENV
-    from hyperacc.training import check_model_config
-
-    vocab = None if "vocab_size" in cfg.model.overrides else _tokenizer(cfg)
-    # The model config checks of preflight: a bad override is one line here too, not a traceback.
-    check_model_config(_model_config_or_error(cfg, vocab), tokenizer_size=vocab)
-    device_type = os.environ.get(DEVICE_ENV) or "cuda"     # an accelerator unless told otherwise
-    plan = memory_plan(cfg, world_size, vocab, device_type)
-    print(format_config(cfg))
-    print(format_plan(plan))
-    if cfg.training.dry_run_report:
-        write_report(plan, cfg.training.dry_run_report, device_type=device_type,
-                     device_memory_gb=cfg.training.device_memory_gb)
-        print(f"plan written to {cfg.training.dry_run_report}")
-    check_fits(cfg, plan)
-
-
-def preflight(cfg, world_size):
-    """Every check that needs neither a process group nor a model, made on every rank before
-    either exists: each rank raises the same ConfigError, listing every problem found, which
-    main() prints as one line.
-
-    Returns the tokenizer (train() sizes the model with it).
-    """
-    from hyperacc.precision import get_recipe
-    from hyperacc.training import check_dataset_path, check_model_config, check_optimizer, check_output_path
-
-    log, ck = cfg.logging, cfg.checkpoint
-    problems, tokenizer = [], None
-
-    def collect(check, *args, **kwargs):
-        try:
-            return check(*args, **kwargs)
-        except ConfigError as err:
-            problems.append(str(err))
-
-    collect(check_output_path, log.metrics_file, "--logging.metrics_file", directory=False)
-    collect(check_output_path, log.tensorboard_dir, "--logging.tensorboard_dir", directory=True)
-    collect(check_peft_exports, cfg)
-    if ck.save_ckpt:
-        collect(check_output_path, ck.checkpoint_dir, "--checkpoint.checkpoint_dir", directory=True)
-    collect(check_dataset_path, cfg.data.dataset)
-    collect(check_checkpoint_start, cfg)
-    collect(lambda: check_optimizer(optimizer_config(cfg), recipe=get_recipe(cfg.fsdp.precision)))
-    collect(check_parallel, cfg, world_size)
-    collect(check_compile, cfg)
-    collect(check_transformers_for_tp_ep, cfg)
-    tokenizer = collect(load_data_tokenizer, cfg)
-    if tokenizer is not None:
-        config = collect(_model_config_or_error, cfg, len(tokenizer))
-        if config is not None:
-            collect(check_model_config, config, tokenizer_size=len(tokenizer))
-            collect(check_router_aux, cfg, config)
-            if not problems:
-                collect(check_peft_model, cfg, len(tokenizer))
-        if cfg.training.device_memory_gb is not None and not problems:
-            from hyperacc.runtime import detect_device_type
-            collect(lambda: check_fits(cfg, memory_plan(cfg, world_size, len(tokenizer), detect_device_type())))
-    if problems:
-        raise ConfigError(problems[0] if len(problems) == 1 else
-                          f"{len(problems)} problems: " + " | ".join(problems))
-    return tokenizer
-
-
-def _model_config_or_error(cfg, vocab_size):
-    try:
-        from huggingface_hub.errors import StrictDataclassError   # a config field of the wrong type
-    except ImportError:
-        StrictDataclassError = TypeError   # noqa: N806 - older huggingface_hub: no strict config fields
-    try:
-        return model_config(cfg, vocab_size=vocab_size)
-    except (OSError, ValueError, TypeError, StrictDataclassError) as err:
-        raise ConfigError(f"model: {' '.join(str(err).split()).rstrip('.')}. Fix: correct model.overrides / "
-                          "model.name_or_path as named.") from None
-
-
-def load_data_tokenizer(cfg):
-    """The data's tokenizer (the model is sized with its len()); for chat data ready to render
-    conversations: its template (data.chat_template; chatml for the embedded tokenizer) probed here."""
-    from hyperacc.data.text import load_tokenizer
-
-    name = cfg.data.tokenizer or cfg.model.name_or_path
-    try:
-        tokenizer = load_tokenizer(name)
-        if cfg.data.format == "chat":
-            from hyperacc.data.chat import prepare_chat_tokenizer
-
-            template = cfg.data.chat_template or ("chatml" if name in (None, "default") else None)
-            prepare_chat_tokenizer(tokenizer, template)
-        return tokenizer
-    except ValueError as err:
-        raise ConfigError(f"data.tokenizer: {' '.join(str(err).split())}") from None
-
-
-def _tokenizer(cfg):
-    return len(load_data_tokenizer(cfg))
 
 
 def build_data(cfg, acc, tokenizer):
@@ -334,7 +146,8 @@ def run_job(cfg, tokenizer, acc):
     scheduler = lr_lambda_scheduler(optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.max_steps)
     loader = hyperacc.MicroBatchDataLoader(train_ds, global_batch_size=t.global_batch_size,
                                            micro_batch_size=t.micro_batch_size, shuffle=cfg.data.shuffle,
-                                           seed=t.seed, collate_fn=collate)
+                                           seed=t.seed, collate_fn=collate,
+                                           resume_mismatch=cfg.data.resume_mismatch)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     model.train()
     heartbeat.phase = "load_state"
@@ -413,35 +226,16 @@ def run_job(cfg, tokenizer, acc):
             heartbeat.phase = "the final save"
             acc.save_state()                   # first: an export that fails then costs no training
         heartbeat.phase = "the PEFT exports"
-        export_peft(cfg, acc, model)
+        export_peft(cfg, acc, model, tokenizer)
     heartbeat.phase = "the final save"
     acc.end_training()                         # final save per the policy, process group down
-
-
-def _exit_with(prefix, err, code):
-    """Print one line on every rank (the same on each: every check above is made on every rank or
-    agreed between the ranks) and leave; HYPERACC_DEBUG=1 shows the traceback instead."""
-    if os.environ.get("HYPERACC_DEBUG") == "1":
-        raise err
-    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-    print(f"{prefix}: {text}", file=sys.stderr, flush=True)
-    try:
-        import torch.distributed as dist
-        if dist.is_initialized():            # every rank raised the same error at the same point
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - leaving anyway
-        pass
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # torchrun stops the other workers as soon as one exits: linger so that a rank a little
-        # behind reaches, and prints, the same line instead of being killed silently.
-        time.sleep(LINGER_S)
-    sys.exit(code)
 
 
 def main(argv=None):
     from hyperacc.training import NonFiniteError, TokenIdError
     from hyperacc.checkpoint.lifecycle import CheckpointDirInUse
     from hyperacc.checkpoint.lock import CheckpointDirLocked, CheckpointDirNotShared
+    from hyperacc.data.loader import DataResumeMismatch
     from hyperacc.replica_guard import ReplicaMismatchError
     from hyperacc.watchdog import CollectiveTimeout
 
@@ -451,12 +245,13 @@ def main(argv=None):
             return dry_run(cfg, world)
         tokenizer = preflight(cfg, world)
         return train(cfg, tokenizer)
-    except (ConfigError, CheckpointDirLocked, CheckpointDirNotShared, CheckpointDirInUse) as err:
-        _exit_with("config error", err, 2)
+    except (ConfigError, CheckpointDirLocked, CheckpointDirNotShared, CheckpointDirInUse,
+            DataResumeMismatch) as err:      # the last: a data change preflight could not see (resume_checks.py)
+        exit_with("config error", err, 2)
     except (NonFiniteError, TokenIdError, ReplicaMismatchError) as err:
-        _exit_with("error", err, 3)
+        exit_with("error", err, 3)
     except CollectiveTimeout as err:
-        _exit_with("error", err, 4)
+        exit_with("error", err, 4)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from hyperacc.config import default_of
 
-__all__ = ["ConfigError", "Component", "parse_config", "build_config", "load_config", "dump_config",
+__all__ = ["ConfigError", "Component", "parse_config", "build_config", "load_config", "dump_config", "given_keys",
            "save_config", "format_config", "config_help", "config_file"]
 
 
@@ -249,6 +249,21 @@ def parse_config(schema_cls, yaml_path=None, argv: Optional[Sequence[str]] = Non
     path, overrides = _parse_argv(schema_cls(), ([] if yaml_path is None else [str(yaml_path)]) + argv)
     return build_config(schema_cls, load_yaml(path) if path else {}, overrides=overrides,
                         source=f"YAML file {path!r}" if path else "defaults")
+
+
+def given_keys(schema_cls, yaml_path=None, argv: Sequence[str] = ()) -> dict:
+    """``{"section.field": layer}`` for every field the YAML file (layer 1) or a flag (layers 2, 3, ... in
+    command-line order) sets, as ``parse_config`` reads the same arguments: what the user asked for, as
+    opposed to defaults and the launch environment. A script uses it to refuse an option that its switch
+    turns off, unless the switch was turned off later (a flag disabling what the YAML configures)."""
+    path, overrides = _parse_argv(schema_cls(), ([] if yaml_path is None else [str(yaml_path)]) + list(argv))
+    layers = [load_yaml(path) if path else {}] + [layer for _, layer in overrides]
+    given = {}
+    for index, layer in enumerate(layers, start=1):
+        for section, fields in layer.items():
+            for name in fields if isinstance(fields, dict) else ():
+                given[f"{section}.{name}"] = index
+    return given
 
 
 def load_config(schema_cls, path):

@@ -88,7 +88,7 @@ def test_accelerate_launch_config_reaches_hyperacc():
     info = json.loads(line[len("PROBE "):])
     assert info["launcher"] == "accelerate" and info["world"] == 2
     assert info["dp_shard"] == 2 and info["dp_replicate"] == 1 and info["dtensor"]
-    assert info["fsdp"]["wrap_classes"] == ["Qwen3MoeDecoderLayer"]
+    assert info["fsdp"]["wrap_classes"] is None     # no class named: each model's own blocks (_no_split_modules)
     assert info["fsdp"]["reshard_after_forward"] is True and info["fsdp"]["mixed_precision"] is None
 
 

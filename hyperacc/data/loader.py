@@ -32,9 +32,16 @@ from torch.utils.data import DataLoader
 from hyperacc.data.collate import check_batch, default_collate
 from hyperacc.data.prefetch import Prefetcher
 
-__all__ = ["MicroBatchDataLoader", "STATE_VERSION", "micro_batches_per_step"]
+__all__ = ["DataResumeMismatch", "MicroBatchDataLoader", "STATE_VERSION", "micro_batches_per_step"]
 
 STATE_VERSION = 1
+
+
+class DataResumeMismatch(ValueError):
+    """The data or global batch size differs from the checkpoint's (``resume_mismatch='error'``): its
+    own class, so that a script reports it as the configuration problem it is, not as a crash."""
+
+
 _PERM_CACHE = 2          # epochs whose permutation is kept (the current one and one looked up)
 
 
@@ -353,10 +360,11 @@ class MicroBatchDataLoader:
         if saved_fp != current_fp:
             problems.append(f"dataset_fingerprint: saved {saved_fp}, current {current_fp}")
         if problems and self.resume_mismatch != "restart":
-            raise ValueError(
+            raise DataResumeMismatch(
                 f"cannot resume the data loader exactly ({'; '.join(problems)}): the saved step would "
-                f"map to different samples. Restore the saved value(s), or construct the loader with "
-                f"resume_mismatch='restart' to restart epoch {epoch} at step 0")
+                f"map to different samples. Fix: restore the saved value(s), or construct the loader with "
+                f"MicroBatchDataLoader.resume_mismatch='restart' to restart epoch {epoch} at step 0 (the model, "
+                "optimizer and progress are restored all the same)")
         steps = len(self)
         if not problems and step > steps:
             raise ValueError(f"MicroBatchDataLoader state step={step} is past the end of the epoch "

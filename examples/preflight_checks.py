@@ -1,0 +1,158 @@
+"""Preflight of examples/train_qwen.py: every check made before a process group, the data or the model
+exist (on every rank alike, so that each rank raises the same one-line ConfigError), and the dry run.
+
+The individual checks live in `config_checks.py` (paths, optimizer, parallel sizes, compile, PEFT,
+switches) and `resume_checks.py` (what a checkpoint's saved config lets us know about a resume); here
+they are run in order and their problems collected into one error.
+"""
+import os
+
+from config_checks import (check_attn_implementation, check_compile, check_parallel, check_peft_exports,
+                           check_router_aux, check_transformers_for_tp_ep, optimizer_config)
+from config_schema import check_batch
+from hyperacc.cli_config import ConfigError, format_config
+from model_setup import build_model, model_config
+from resume_checks import check_checkpoint_start, check_resume_model
+
+
+def check_peft_model(cfg, vocab_size):
+    """preflight: the LoRA setup applies to the model (built on the meta device: no memory)."""
+    if cfg.peft.method != "none":
+        build_model(cfg, vocab_size=vocab_size)
+
+
+def memory_plan(cfg, world_size, vocab_size=None, device_type="cuda"):
+    """The dry-run planner's ShardingPlan for this config on `world_size` ranks (meta model, no process group)."""
+    from hyperacc.dry_run import plan_sharding
+
+    model = build_model(cfg, vocab_size=vocab_size)
+    fsdp, p = cfg.fsdp, cfg.parallel
+    try:
+        return plan_sharding(
+            model, world_size=world_size, dp_replicate=p.dp_replicate_size, tp=p.tp_size, cp=p.cp_size,
+            ep=p.ep_size, wrap_classes=fsdp.wrap_classes, mixed_precision=fsdp.mixed_precision,
+            precision=fsdp.precision, cpu_offload=fsdp.cpu_offload,
+            activation_checkpointing=fsdp.activation_checkpointing, reshard_after_forward=fsdp.reshard_after_forward,
+            micro_batch_size=cfg.training.micro_batch_size, seq_len=cfg.data.seq_len,
+            eager_attention=cfg.model.attn_implementation in (None, "eager"), device_type=device_type,
+            reduce_every_micro_batch=bool(fsdp.reduce_every_micro_batch),
+            micro_batches=check_batch(cfg.training, max(1, world_size // (p.tp_size * p.cp_size))))
+    except ValueError as err:
+        raise ConfigError(f"dry run for {world_size} ranks: {err}") from None
+
+
+def check_fits(cfg, plan):
+    """One ConfigError when the plan's device peak exceeds training.device_memory_gb."""
+    from hyperacc.dry_run import check_fits as plan_fits
+
+    try:
+        plan_fits(plan, cfg.training.device_memory_gb)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def dry_run(cfg, world_size):
+    """Plan the sharding for `world_size` ranks and estimate memory per rank; no process group."""
+    from hyperacc.dry_run import format_plan, write_report
+    from hyperacc.runtime import DEVICE_ENV
+    from hyperacc.training import check_model_config
+
+    vocab = None if "vocab_size" in cfg.model.overrides else _tokenizer(cfg)
+    # The model config checks of preflight: a bad override is one line here too, not a traceback.
+    config = _model_config_or_error(cfg, vocab)
+    check_model_config(config, tokenizer_size=vocab)
+    check_attn_implementation(cfg, config)
+    device_type = os.environ.get(DEVICE_ENV) or "cuda"     # an accelerator unless told otherwise
+    plan = memory_plan(cfg, world_size, vocab, device_type)
+    print(format_config(cfg))
+    print(format_plan(plan))
+    if cfg.training.dry_run_report:
+        write_report(plan, cfg.training.dry_run_report, device_type=device_type,
+                     device_memory_gb=cfg.training.device_memory_gb)
+        print(f"plan written to {cfg.training.dry_run_report}")
+    check_fits(cfg, plan)
+
+
+def preflight(cfg, world_size):
+    """Every check that needs neither a process group nor a model, made on every rank before
+    either exists: each rank raises the same ConfigError, listing every problem found, which
+    main() prints as one line.
+
+    Returns the tokenizer (train() sizes the model with it).
+    """
+    from hyperacc.precision import get_recipe
+    from hyperacc.training import check_dataset_path, check_model_config, check_optimizer, check_output_path
+
+    log, ck = cfg.logging, cfg.checkpoint
+    problems, tokenizer = [], None
+
+    def collect(check, *args, **kwargs):
+        try:
+            return check(*args, **kwargs)
+        except ConfigError as err:
+            problems.append(str(err))
+
+    collect(check_output_path, log.metrics_file, "--logging.metrics_file", directory=False)
+    collect(check_output_path, log.tensorboard_dir, "--logging.tensorboard_dir", directory=True)
+    collect(check_peft_exports, cfg)
+    if ck.save_ckpt:
+        collect(check_output_path, ck.checkpoint_dir, "--checkpoint.checkpoint_dir", directory=True)
+    collect(check_dataset_path, cfg.data.dataset)
+    resumed = collect(check_checkpoint_start, cfg)      # the checkpoint a resume restores, or None
+    collect(lambda: check_optimizer(optimizer_config(cfg), recipe=get_recipe(cfg.fsdp.precision)))
+    collect(check_parallel, cfg, world_size)
+    collect(check_compile, cfg)
+    collect(check_transformers_for_tp_ep, cfg)
+    tokenizer, config = collect(load_data_tokenizer, cfg), None
+    if tokenizer is not None:
+        config = collect(_model_config_or_error, cfg, len(tokenizer))
+        if config is not None:
+            collect(check_model_config, config, tokenizer_size=len(tokenizer))
+            collect(check_router_aux, cfg, config)
+            if resumed is not None:
+                collect(check_resume_model, cfg, resumed, config, len(tokenizer))
+    collect(check_attn_implementation, cfg, config)
+    if config is not None and not problems:
+        collect(check_peft_model, cfg, len(tokenizer))
+    if tokenizer is not None and cfg.training.device_memory_gb is not None and not problems:
+        from hyperacc.runtime import detect_device_type
+        collect(lambda: check_fits(cfg, memory_plan(cfg, world_size, len(tokenizer), detect_device_type())))
+    if problems:
+        raise ConfigError(problems[0] if len(problems) == 1 else
+                          f"{len(problems)} problems: " + " | ".join(problems))
+    return tokenizer
+
+
+def _model_config_or_error(cfg, vocab_size):
+    try:
+        from huggingface_hub.errors import StrictDataclassError   # a config field of the wrong type
+    except ImportError:
+        StrictDataclassError = TypeError   # noqa: N806 - older huggingface_hub: no strict config fields
+    try:
+        return model_config(cfg, vocab_size=vocab_size)
+    except (OSError, ValueError, TypeError, StrictDataclassError) as err:
+        raise ConfigError(f"model: {' '.join(str(err).split()).rstrip('.')}. Fix: correct model.overrides / "
+                          "model.name_or_path as named.") from None
+
+
+def load_data_tokenizer(cfg):
+    """The data's tokenizer (the model is sized with its len()); for chat data ready to render
+    conversations: its template (data.chat_template; chatml for the embedded tokenizer) probed here."""
+    from hyperacc.data.text import load_tokenizer
+
+    name = cfg.data.tokenizer or cfg.model.name_or_path
+    try:
+        tokenizer = load_tokenizer(name)
+        if cfg.data.format == "chat":
+            from hyperacc.data.chat import prepare_chat_tokenizer
+
+            template = cfg.data.chat_template or ("chatml" if name in (None, "default") else None)
+            prepare_chat_tokenizer(tokenizer, template)
+        return tokenizer
+    except ValueError as err:
+        raise ConfigError(f"data.tokenizer: {' '.join(str(err).split())}") from None
+
+
+def _tokenizer(cfg):
+    return len(load_data_tokenizer(cfg))
+
