@@ -57,15 +57,18 @@ def apply_peft(cfg, model):
     return model
 
 
-def export_peft(cfg, acc, model):
+def export_peft(cfg, acc, model, tokenizer=None):
     """Collective: the adapters in PEFT's format (``peft.export_dir``) and/or the base with the adapters
-    merged, a plain Hugging Face checkpoint (``peft.merged_export_dir``); every rank writes its share."""
+    merged, a plain Hugging Face checkpoint (``peft.merged_export_dir``); every rank writes its share.
+    The training tokenizer goes with each: ``AutoTokenizer`` loads it from the same directory, and the
+    merged model's config gets its eos/pad ids (the example's preset configs have none)."""
     from hyperacc.integrations.peft import export_adapter, export_merged
 
     group = acc.runtime.cpu_group
     if cfg.peft.export_dir:
-        export_adapter(model, cfg.peft.export_dir, group=group)
+        export_adapter(model, cfg.peft.export_dir, group=group, tokenizer=tokenizer)
         acc.print(f"adapter exported to {cfg.peft.export_dir} (peft.PeftModel.from_pretrained(base, dir) loads it)")
     if cfg.peft.merged_export_dir:
-        export_merged(model, cfg.peft.merged_export_dir, group=group)
-        acc.print(f"merged model exported to {cfg.peft.merged_export_dir} (transformers' from_pretrained loads it)")
+        export_merged(model, cfg.peft.merged_export_dir, group=group, tokenizer=tokenizer)
+        acc.print(f"merged model exported to {cfg.peft.merged_export_dir} (transformers' from_pretrained loads it, "
+                  "AutoTokenizer its tokenizer)")

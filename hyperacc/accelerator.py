@@ -299,9 +299,12 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         self._params = ParameterMap()
         return super().free_memory(*objects)
 
-    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
-        """accelerate's signature; every rank writes its share of the files (`hyperacc.weights.export`)."""
-        weights.save_model_sharded(model, save_directory, max_shard_size, safe_serialization, group=self.runtime.cpu_group)
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True, *,
+                   tokenizer=None):
+        """accelerate's signature; every rank writes its share of the files (`hyperacc.weights.export`).
+        ``tokenizer`` (hyperacc's, optional): saved beside the model, its token ids in the config."""
+        weights.save_model_sharded(model, save_directory, max_shard_size, safe_serialization,
+                                   group=self.runtime.cpu_group, tokenizer=tokenizer)
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         """The user's own module (FSDP2 shards in place), resharded (see `sharding.reshard`)."""

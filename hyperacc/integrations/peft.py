@@ -98,11 +98,16 @@ def _strip_owner(key: str, owner: str, module: nn.Module, wrapper) -> Optional[s
 
 
 def adapter_tensor_names(model: nn.Module) -> set:
-    """The tensors a PEFT model trains, by its structure rather than by ``requires_grad``: every
-    adapter's own tensors and every ``modules_to_save`` copy. Empty for any other model."""
+    """The tensors a PEFT model's adapters are, whatever their ``requires_grad``: every adapter's own
+    tensors and ``modules_to_save`` copy (by structure), and every tensor PEFT's own state-dict function
+    keeps (trained biases, ...: `peft_saved.trained_names`). Empty for any other model. What an
+    adapters-only checkpoint holds and what `broadcast_adapters` makes equal on every rank."""
     if not is_peft_model(model):
         return set()
-    return {n for n, key in base_names(model).items() if key is None or ".modules_to_save." in n}
+    from hyperacc.integrations.peft_saved import trained_names
+
+    own = {n for n, key in base_names(model).items() if key is None or ".modules_to_save." in n}
+    return own | trained_names(model)
 
 
 # --------------------------------------------------------------------------- checks before any collective
@@ -154,6 +159,12 @@ def _injectable_config(config):
 
 
 def _refuse_weight_dependent_init(config, adapter: str) -> None:
+    if getattr(config, "use_dora", False):
+        # Measured: built on the meta device, every DoRA magnitude came out 0 (the norm of a zero base
+        # weight), and the first loss was no longer the base model's.
+        raise ValueError(f"adapter {adapter!r}: DoRA (use_dora=True) computes its magnitude vectors from the base "
+                         "weights, which a model on the meta device does not have yet. Fix: build the PEFT model on "
+                         "a real device (load the base with accelerator=None), or use_dora=False.")
     init = getattr(config, "init_lora_weights", True)
     if not isinstance(init, bool) and str(init).lower() not in ("gaussian", "orthogonal"):
         raise ValueError(f"adapter {adapter!r}: init_lora_weights={init!r} is computed from the base weights, which a "

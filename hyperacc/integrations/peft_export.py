@@ -7,49 +7,116 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
 
-from hyperacc.integrations.peft import (ADAPTER_WEIGHTS_FILE, _layer_adapters, _own_tensors, _tuner_classes,
-                                        adapter_tensor_names, base_names, tuner_layers)
+from hyperacc.integrations.peft import (ADAPTER_WEIGHTS_FILE, _layer_adapters, _own_tensors, _tuner_classes, base_names,
+                                        tuner_layers)
 from hyperacc.weights.export import _full      # collective for a DTensor: every rank, same order
 from hyperacc.weights.files import MARK_KEY
 
 
-def adapter_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Full-size host copies of every adapter tensor and ``modules_to_save`` copy (collective)."""
+def _selection(model: nn.Module, group):
+    """(the state-dict keys to gather, in model order; {adapter: the keys of its file}) as PEFT's own
+    ``get_peft_model_state_dict`` chooses them (`hyperacc.integrations.peft_saved`), chosen on rank 0
+    (PEFT's embedding check may read the base's config) and agreed by every rank; a refusal is raised
+    on every rank before anything is gathered or written."""
+    from hyperacc.integrations.peft_saved import adapter_files, check_exportable
+    from hyperacc.weights.export import _agree
+
+    def choose():
+        files = adapter_files(model)
+        check_exportable(model, files)
+        wanted = {key for keys in files.values() for key in keys.values()}
+        order = [key for key in model.state_dict(keep_vars=True) if key in wanted]
+        return order, {adapter: sorted(keys) for adapter, keys in files.items()}
+
+    record_base(model)
+    return _agree(choose, group)
+
+
+def record_base(model: nn.Module) -> None:
+    """``base_model_name_or_path`` of every adapter config that lacks it, from the base model's own
+    name (``name_or_path``, else ``config._name_or_path``) when it has one, so that adapter_config.json
+    says which base the adapter belongs to (PEFT looks for the name where transformers 5 may not keep it)."""
+    base = model.get_base_model()
+    name = getattr(base, "name_or_path", None) or getattr(getattr(base, "config", None), "_name_or_path", None)
+    if not name:
+        return
+    for config in model.peft_config.values():
+        if getattr(config, "base_model_name_or_path", None) is None:
+            config.base_model_name_or_path = str(name)
+
+
+def adapter_state_dict(model: nn.Module, *, group=None) -> Dict[str, torch.Tensor]:
+    """Collective: full-size host copies, on every rank, of exactly the tensors PEFT's
+    ``get_peft_model_state_dict`` keeps for any adapter, by model state-dict key
+    (``PeftModel.save_pretrained(state_dict=...)`` takes it), gathered one at a time."""
+    return _gather(model, _selection(model, group)[0], group, main_only=False)
+
+
+def _gather(model: nn.Module, keys: List[str], group, *, main_only: bool) -> Dict[str, torch.Tensor]:
+    import torch.distributed as dist
+
     from hyperacc.sharding import reshard
 
     reshard(model)
-    keep = adapter_tensor_names(model)
+    live = model.state_dict(keep_vars=True)
+    keep = not main_only or not dist.is_initialized() or dist.get_rank(group) == 0
     out = {}
-    for name, tensor in model.named_parameters():
-        if name in keep:
-            out[name] = _full(tensor.detach()).cpu()
+    for key in keys:
+        full = _full(live[key].detach())                # collective for a DTensor: every rank, same order
+        if keep:
+            out[key] = full.cpu()
+        del full
     return out
 
 
-def export_adapter(model: nn.Module, out_dir: str, *, group=None, into_existing: bool = False) -> str:
+def export_adapter(model: nn.Module, out_dir: str, *, group=None, into_existing: bool = False,
+                   tokenizer=None) -> str:
     """Collective: the adapters in PEFT's own format (``adapter_model.safetensors`` +
-    ``adapter_config.json``, written by rank 0 through ``PeftModel.save_pretrained``), moved into
-    ``out_dir`` only when complete. Refuses an ``out_dir`` that holds files (``into_existing=True``:
-    one that may hold other files, e.g. a tokenizer or a README, which are kept, and hyperacc's own
-    earlier export, which is replaced as `hyperacc.weights.publish` says). Returns ``out_dir``."""
+    ``adapter_config.json``, written by rank 0 through ``PeftModel.save_pretrained``): exactly the
+    tensors PEFT's own ``get_peft_model_state_dict`` keeps (`hyperacc.integrations.peft_saved`), moved
+    into ``out_dir`` only when complete; a configuration it cannot export exactly is refused before
+    anything is written. ``adapter_config.json`` names the base (`record_base`). Refuses an
+    ``out_dir`` that holds files (``into_existing=True``: one that may hold other files, e.g. a
+    tokenizer or a README, which are kept, and hyperacc's own earlier export, which is replaced as
+    `hyperacc.weights.publish` says). ``tokenizer``: saved into ``out_dir`` too (rank 0, after the
+    adapter). Returns ``out_dir``."""
     from hyperacc.weights import publish
     from hyperacc.weights.export import _agree
+    from hyperacc.weights.hf_metadata import save_tokenizer
 
     out_dir = os.path.abspath(out_dir)
+    keys, files = _selection(model, group)          # refusals first: nothing written yet
     target = _agree(lambda: publish.start(out_dir, into_existing, "adapter"), group)
-    state = adapter_state_dict(model)         # every rank joins the gathers
+    state = _gather(model, keys, group, main_only=True)      # every rank joins the gathers
 
     def write():
         model.save_pretrained(target.tmp, state_dict=state, is_main_process=True)
+        for adapter, file_keys in files.items():
+            folder = target.tmp if adapter == "default" else os.path.join(target.tmp, adapter)
+            _check_written(os.path.join(folder, ADAPTER_WEIGHTS_FILE), set(file_keys))
         _mark_adapter_file(os.path.join(target.tmp, ADAPTER_WEIGHTS_FILE), target.mark)
-        return publish.publish(target.tmp, out_dir, target.mark, "adapter")
+        published = publish.publish(target.tmp, out_dir, target.mark, "adapter")
+        save_tokenizer(tokenizer, out_dir)
+        return published
 
     return _agree(write, group)
+
+
+def _check_written(path: str, expected: set) -> None:
+    """PEFT chose again from the gathered tensors: its file must hold exactly the keys chosen first."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as handle:
+        written = set(handle.keys())
+    if written != expected:
+        odd = sorted(written ^ expected)
+        raise RuntimeError(f"{path}: PEFT wrote other adapter keys than it chose over the model ({odd[0]} and "
+                           f"{len(odd) - 1} more differ); nothing was published. Report this with the PEFT config.")
 
 
 def _mark_adapter_file(path: str, mark: str) -> None:
@@ -138,10 +205,12 @@ def _merge(weight: torch.Tensor, layer: nn.Module):
     return compute
 
 
-def export_merged(model: nn.Module, out_dir: str, *, group=None, max_shard_bytes: Optional[int] = None) -> str:
+def export_merged(model: nn.Module, out_dir: str, *, group=None, max_shard_bytes: Optional[int] = None,
+                  tokenizer=None) -> str:
     """Collective: the base model with the adapters merged, as a plain Hugging Face checkpoint
-    (``from_pretrained`` loads it without peft); every rank writes its share, one tensor at a time."""
+    (``from_pretrained`` loads it without peft); every rank writes its share, one tensor at a time.
+    ``tokenizer``: saved with it, and its token ids fill the config's missing ones (`hf_metadata`)."""
     from hyperacc.weights.export import DEFAULT_MAX_SHARD_BYTES, export_sharded
 
     return export_sharded(model.get_base_model(), out_dir, tensors=merged_tensors(model), group=group,
-                          max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+                          max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, tokenizer=tokenizer)

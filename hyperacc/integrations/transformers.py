@@ -141,11 +141,10 @@ class HyperaccTrainerMixin:
         import torch
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        self.accelerator.save_model(self.model, output_dir)
+        processor = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        # The export saves the processor (rank 0) and fills the config's missing token ids from it.
+        self.accelerator.save_model(self.model, output_dir, tokenizer=processor)
         if self.args.should_save:
-            processor = self.processing_class or getattr(self.data_collator, "tokenizer", None)
-            if processor is not None:
-                processor.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not _internal_call:

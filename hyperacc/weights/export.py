@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hyperacc.weights import layout, publish
+from hyperacc.weights.hf_metadata import aligned, export_config, export_generation_config, save_tokenizer
 from hyperacc.weights.load import model_class
 from hyperacc.weights.writer import Entry, RankWriter, plan_files, write_index
 
@@ -63,31 +64,30 @@ def piece_of(full: torch.Tensor, piece: layout.Piece) -> torch.Tensor:
     return data.reshape(piece.key_shape) if piece.stacked else data
 
 
-def hf_config(model: nn.Module, dtype: Optional[torch.dtype]):
-    """The model's config as `save_pretrained` would write it: its own class as architecture."""
-    config = copy.deepcopy(getattr(model, "config", None))
-    if config is not None:
-        config.architectures = [model_class(model).__name__]
-        if dtype is not None:
-            config.dtype = dtype
-    return config
+def hf_config(model: nn.Module, dtype: Optional[torch.dtype], tokenizer=None):
+    """The model's config as the export writes it (`hf_metadata.export_config`): its own class as
+    architecture, the weights' dtype, the model's own ``use_cache``, the tokenizer's token ids."""
+    return export_config(getattr(model, "config", None), architecture=model_class(model).__name__, dtype=dtype,
+                         tokenizer=tokenizer)
 
 
 def write_metadata(directory: str, config, generation_config=None) -> None:
     if config is not None:
         config.save_pretrained(directory)
     if generation_config is not None:
-        generation_config.save_pretrained(directory)
+        aligned(generation_config, config).save_pretrained(directory)
 
 
 def export_sharded(model: nn.Module, out_dir: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                   group=None, into_existing: bool = False, tensors=None) -> str:
+                   group=None, into_existing: bool = False, tensors=None, tokenizer=None) -> str:
     """Collective: every rank calls it; the files appear in ``out_dir`` when complete. Refuses an
     ``out_dir`` that holds files (``into_existing=True``: one that may hold other files, e.g. a
     tokenizer, and hyperacc's own earlier export, which is replaced as `hyperacc.weights.publish`
     says; weights hyperacc did not write are refused). ``tensors``: (key, tensor or `Computed`) to
     write instead of the model's own (`export_tensors`); ``model`` still gives the config.
-    Returns ``out_dir``."""
+    ``config.json`` and ``generation_config.json`` say what generating needs (`hf_metadata`: the
+    model's own ``use_cache``, token ids); ``tokenizer`` (optional) gives those ids and is saved into
+    ``out_dir`` (rank 0, after the weights). Returns ``out_dir``."""
     from hyperacc.sharding import reshard
 
     reshard(model)      # an eval forward leaves units unsharded: read the shards
@@ -115,8 +115,14 @@ def export_sharded(model: nn.Module, out_dir: str, *, max_shard_bytes: int = DEF
         error = error or err
     _raise_if_any_failed(error, group)
     dtype = tensors[0][1].dtype if tensors else None
-    gen = getattr(model, "generation_config", None) if getattr(model, "can_generate", lambda: False)() else None
-    return _agree(lambda: _finish(target, out_dir, files, hf_config(model, dtype), gen), group)
+
+    def finish():
+        config = hf_config(model, dtype, tokenizer)
+        published = _finish(target, out_dir, files, config, export_generation_config(model, config))
+        save_tokenizer(tokenizer, out_dir)
+        return published
+
+    return _agree(finish, group)
 
 
 def _full(tensor) -> torch.Tensor:
@@ -126,11 +132,12 @@ def _full(tensor) -> torch.Tensor:
 
 
 def save_model_sharded(model: nn.Module, save_directory: str, max_shard_size="10GB", safe_serialization: bool = True,
-                       *, group=None) -> str:
+                       *, group=None, tokenizer=None) -> str:
     """`Accelerator.save_model`: accelerate's arguments, but every rank writes in parallel
     (accelerate gathers the whole model on rank 0); a PEFT model's adapters in PEFT's format.
     ``save_directory`` may hold other files (a tokenizer, checkpoints) and hyperacc's own earlier
-    export, which the new one replaces (what `Trainer.save_model` needs: the same directory each time)."""
+    export, which the new one replaces (what `Trainer.save_model` needs: the same directory each time).
+    ``tokenizer`` (optional): saved beside the export, and its token ids fill the config's missing ones."""
     from accelerate.utils import convert_file_size_to_int
 
     from hyperacc.integrations import peft, peft_export
@@ -142,9 +149,9 @@ def save_model_sharded(model: nn.Module, save_directory: str, max_shard_size="10
             "safe_serialization=False; from_pretrained loads the safetensors export. If a tool needs a .bin, "
             "load the export with from_pretrained and torch.save(model.state_dict(), 'pytorch_model.bin').")
     if peft.is_peft_model(model):     # what PeftModel.save_pretrained writes: the adapters, PEFT's format
-        return peft_export.export_adapter(model, save_directory, group=group, into_existing=True)
+        return peft_export.export_adapter(model, save_directory, group=group, into_existing=True, tokenizer=tokenizer)
     return export_sharded(model, save_directory, max_shard_bytes=convert_file_size_to_int(max_shard_size),
-                          group=group, into_existing=True)
+                          group=group, into_existing=True, tokenizer=tokenizer)
 
 
 # --------------------------------------------------------------------------- directory handling
