@@ -14,7 +14,8 @@ nothing else of the training loop:
   inside, under the integrity manifest), LATEST, ``save_total_limit`` as retention.
   ``resume_from_checkpoint=True`` means LATEST; a path may be a checkpoint or the checkpoint root.
   Model, optimizer, scheduler, RNG, progress and the data position come back from the buckets; the
-  loader continues where it stood (no batch is skipped by re-reading).
+  loader continues where it stood (no batch is skipped by re-reading; a stream — an iterable dataset,
+  `datasets` with ``streaming=True`` — has no random access and is replayed: `hyperacc.data.resumable`).
 - **Loss**: `Trainer`'s ``num_items_in_batch`` arithmetic is already the token mean over micro-batches
   and ranks when every data-parallel rank reads different data; under tensor parallelism its peers read
   the same batch, so the Trainer's "tp size" is hyperacc's (`get_tp_size`).
@@ -156,6 +157,7 @@ class HyperaccTrainerMixin:
         ``output_dir``; a path: a ``global_step_<N>`` directory or a checkpoint root)."""
         for problem in trainer_args.inexact_loss(self):
             warnings.warn(problem, stacklevel=2)
+        self._stream_epoch_shift = 0
         return super().train(self._checkpoint_to_resume(resume_from_checkpoint), *args, **kwargs)
 
     def _checkpoint_to_resume(self, source) -> Optional[str]:
@@ -212,11 +214,19 @@ class HyperaccTrainerMixin:
 
     def _run_epoch(self, **kwargs):
         """The resumed epoch: hyperacc's loader already stands after the batches trained, so the Trainer
-        runs the rest of that epoch as it would have, without skipping (re-reading) any batch."""
+        runs the rest of that epoch as it would have, without skipping (re-reading) any batch.
+
+        A stream has no length: `Trainer` then calls all of ``max_steps`` one epoch and cannot tell in which
+        pass over the stream a step lies, but each pass it runs is one epoch of the loader. The loader's
+        restored position says which: the resumed epoch is that pass, and every later one is numbered
+        as in an uninterrupted run (``set_epoch`` reshuffles a `datasets` stream by it)."""
+        kwargs["epoch"] += getattr(self, "_stream_epoch_shift", 0)
         if kwargs["resume_from_checkpoint"] is None or kwargs["epoch"] != kwargs["epochs_trained"]:
             return super()._run_epoch(**kwargs)
-        done = kwargs["steps_trained_in_current_epoch"]
-        self._check_data_position(kwargs["train_dataloader"], kwargs["epoch"], done)
+        epoch, done = self._data_position(kwargs["train_dataloader"], kwargs["epoch"],
+                                          kwargs["steps_trained_in_current_epoch"])
+        self._stream_epoch_shift = epoch - kwargs["epoch"]
+        kwargs["epoch"] = epoch
         full = kwargs["steps_in_epoch"]
         kwargs.update(resume_from_checkpoint=None, steps_trained_in_current_epoch=0, steps_in_epoch=full - done,
                       num_update_steps_per_epoch=kwargs["num_update_steps_per_epoch"]
@@ -228,20 +238,27 @@ class HyperaccTrainerMixin:
         finally:
             self.callback_handler.callbacks.remove(fix)
 
-    def _check_data_position(self, loader, epoch: int, batches: int) -> None:
+    def _data_position(self, loader, epoch: int, batches: int) -> tuple:
+        """(epoch, batches done in it) the resumed run continues from: the Trainer's own count, checked
+        against the loader's restored position; for a stream in a later pass, the loader's."""
         if getattr(loader, "use_stateful_dataloader", False):
-            return          # torchdata's StatefulDataLoader restored its own position (accelerator_config)
+            return epoch, batches   # torchdata's StatefulDataLoader restored its own position (accelerator_config)
         position = loader.restored_position() if hasattr(loader, "restored_position") else None
         if position is None:
             raise RuntimeError("the checkpoint restored no data position for the train DataLoader (saved with "
                                "save_only_model=True?): hyperacc does not resume by skipping batches. Resume a "
                                "full checkpoint, or start a new run from its weights.")
+        accumulation = self.args.gradient_accumulation_steps
+        if (not transformers.trainer_utils.has_length(loader) and position[0] > epoch
+                and position[1] % accumulation == 0):
+            return position         # a stream: the Trainer counted every step since the start as one epoch
         if position != (epoch, batches):
             raise RuntimeError(f"the checkpoint's data position is epoch {position[0]}, batch {position[1]}, but the "
                                f"Trainer's step count puts this run at epoch {epoch}, batch {batches}: the dataset or the "
                                "global batch (per-device batch x gradient_accumulation_steps x processes) changed "
                                "since the save. Keep them (how the global batch is split may change), or start a "
                                "new run.")
+        return epoch, batches
 
 
 class _EpochFraction(transformers.TrainerCallback):
