@@ -63,8 +63,7 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
             parallel=parallel, fsdp=fsdp, checkpoint=checkpoint, parallelism_config=parallelism_config,
             fsdp_plugin=fsdp_plugin, mixed_precision=mixed_precision, dynamo_backend=dynamo_backend,
             dynamo_plugin=dynamo_plugin)
-        self._checkpoint_policy_configured = checkpoint is not None or compat.checkpoint_env_given()
-        self.save_on_end: Optional[bool] = None     # end_training's final save; None: when a policy is configured
+        self.save_on_end: Optional[bool] = None     # end_training's final save; None: when saves were asked for
         self.seed = DEFAULT_SEED if seed is None else int(seed)
         self._router_aux_mode = router_aux_loss
 
@@ -97,9 +96,7 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         self._params = ParameterMap()
         self._train_loader = None
         self._checkpointer = None
-        self._step_end_called = False
-        if self._checkpoint_policy_configured and self.checkpoint_config.save_ckpt:
-            self._get_checkpointer().lock()   # a second job on this checkpoint_dir fails now, not at its first save
+        self._init_checkpointing()      # saves only when asked; project_dir honoured (hyperacc.checkpointing)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -282,12 +279,10 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
             model.set_requires_gradient_sync(False)
 
     def step_end(self):
-        """Call once per optimizer step, after optimizer.step()/scheduler.step(): runs the save policy."""
-        self._step_end_called = True
+        """Call once per optimizer step, after optimizer.step()/scheduler.step(): runs the save policy
+        (which saves only when asked: `CheckpointConfig.save_requested` or automatic checkpoint naming)."""
         self._sync_epoch()
-        if not self.checkpoint_config.save_ckpt:
-            return None
-        return self._get_checkpointer().on_step_end(self._train_state())
+        return self._policy_step_end()
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
         if hasattr(dataloader, "skip_first_batches"):       # a ResumableLoader
@@ -318,12 +313,9 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         return super().get_state_dict(model, unwrap=unwrap)
 
     def end_training(self) -> None:
-        """Finish trackers; final checkpoint only if a checkpoint policy was configured (or a save/load
-        already ran); wait for async saves; release the process group if hyperacc created it."""
-        policy = self._checkpoint_policy_configured or self._step_end_called
-        policy = policy if self.save_on_end is None else self.save_on_end
-        if self._checkpointer is not None or (policy and self.checkpoint_config.save_ckpt):
-            self._get_checkpointer().finish(self._train_state(), final_save=policy)
+        """Finish trackers; a final checkpoint only when saves were asked for (as for `step_end`); wait
+        for async saves; release the process group if hyperacc created it."""
+        self._finish_checkpointing()
         for tracker in self.trackers:
             tracker.finish()
         runtime_lib.shutdown(self.runtime)

@@ -1,12 +1,21 @@
-"""The checkpoint half of `Accelerator`: save_state / load_state and what they save.
+"""The checkpoint half of `Accelerator`: save_state / load_state, what they save, and when the loop saves.
 
 Split from the facade by concern: the Accelerator composes the mesh, sharding and accumulation;
 this mixin turns its live objects into a `TrainState` for `hyperacc.checkpoint.Checkpointer` (six
 buckets, integrity, LATEST) and back. Frameworks that step their own scheduler (transformers'
 `Trainer`) hand it over with `checkpoint_scheduler` so that it lands in the lr_scheduler bucket.
+
+When the loop saves by itself (`step_end`, `end_training`): only when asked, as accelerate, which never
+saves unless asked. Asked means a `CheckpointConfig` that requests saves (``save_ckpt``, ``checkpoint_dir``
+or a save cadence given: `CheckpointConfig.save_requested`) or accelerate's
+``ProjectConfiguration(automatic_checkpoint_naming=True)``, whose saves go where accelerate puts them,
+``<project_dir>/checkpoints/checkpoint_<i>``. accelerate's ``project_dir`` is also where an unset
+``checkpoint_dir`` lies (``<project_dir>/checkpoints``), not the working directory.
 """
 from __future__ import annotations
 
+import copy
+import os
 import re
 from typing import Dict, Optional
 
@@ -16,13 +25,47 @@ from hyperacc.wrappers import PreparedScheduler
 class CheckpointingMixin:
     """save_state / load_state for `hyperacc.Accelerator` (which provides the attributes used here)."""
 
+    def _init_checkpointing(self) -> None:
+        """After accelerate's ``__init__`` (its project configuration is known): where an unset
+        checkpoint_dir lies, whether the loop saves by itself, and the directory lock when it does (a
+        second job on this checkpoint_dir fails now, not at its first save)."""
+        cfg, project = self.checkpoint_config, self.project_configuration
+        if project.automatic_checkpoint_naming and self.project_dir is None:
+            raise ValueError("ProjectConfiguration(automatic_checkpoint_naming=True) needs a project_dir (its "
+                             "checkpoints go to <project_dir>/checkpoints/checkpoint_<i>). Fix: "
+                             "ProjectConfiguration(project_dir=DIR, automatic_checkpoint_naming=True).")
+        if self.project_dir is not None and not cfg.given("checkpoint_dir"):
+            cfg = self.checkpoint_config = copy.copy(cfg)      # the caller's config object stays as it was
+            cfg.checkpoint_dir = os.path.join(self.project_dir, "checkpoints")
+        self._saves_requested = bool(cfg.save_ckpt) and (cfg.save_requested or project.automatic_checkpoint_naming)
+        if self._saves_requested and not project.automatic_checkpoint_naming:
+            self._get_checkpointer().lock()
+
     def _get_checkpointer(self):
         if self._checkpointer is None:
             from hyperacc.checkpoint import Checkpointer
 
             self._checkpointer = Checkpointer(self.checkpoint_config, device_type=self.runtime.device_type,
                                               cpu_group=self.runtime.cpu_group)
+            # automatic naming: the loop's saves go to accelerate's checkpoint_<i>, not into checkpoint_dir
+            self._checkpointer.saves_into_checkpoint_dir = not self.project_configuration.automatic_checkpoint_naming
         return self._checkpointer
+
+    def _policy_step_end(self) -> Optional[str]:
+        """`step_end`'s save: when asked (see the module docstring) and the cadence says so."""
+        if not self._saves_requested:
+            return None
+        return self._get_checkpointer().on_step_end(self._train_state(), save=self._policy_save)
+
+    def _finish_checkpointing(self) -> None:
+        """`end_training`'s part: the final checkpoint when the loop saves by itself (``save_on_end``
+        overrides: a framework that decides when to save sets it False), then wait for in-flight saves."""
+        final = self._saves_requested if self.save_on_end is None else bool(self.save_on_end)
+        if self._checkpointer is not None or (final and self.checkpoint_config.save_ckpt):
+            self._get_checkpointer().finish(self._train_state(), final_save=final, save=self._policy_save)
+
+    def _policy_save(self, final: bool) -> Optional[str]:
+        return self._save(None, final=final)
 
     def add_save_guard(self, guard) -> None:
         """``guard()`` runs on every rank before each checkpoint save; raising stops the save."""
@@ -54,6 +97,10 @@ class CheckpointingMixin:
         with `ProjectConfiguration(automatic_checkpoint_naming=True)`. ``extra_files`` (name -> bytes,
         e.g. transformers' ``trainer_state.json``) are written by the main process before the
         checkpoint is complete and covered by its integrity manifest."""
+        return self._save(output_dir, extra_files=extra_files)
+
+    def _save(self, output_dir: Optional[str], *, final: bool = False,
+              extra_files: Optional[Dict[str, bytes]] = None) -> Optional[str]:
         from hyperacc.checkpoint import custom_objects
 
         if self.project_configuration.automatic_checkpoint_naming:
@@ -64,7 +111,8 @@ class CheckpointingMixin:
             digests = custom_objects.save(self._custom_objects, path, is_main=self.is_main_process)
             return {**digests, **custom_objects.save_files(extra_files or {}, path, is_main=self.is_main_process)}
 
-        saved = self._get_checkpointer().save(self._train_state(), output_dir=output_dir, write_extra=write_extra)
+        saved = self._get_checkpointer().save(self._train_state(), output_dir=output_dir, final=final,
+                                              write_extra=write_extra)
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration += 1
         return saved

@@ -163,10 +163,18 @@ class FSDPConfig:
 SAVE_CONSOLIDATED_CHOICES = ("none", "final", "every")
 
 
+CHECKPOINT_ENV_PREFIX = "HYPERACC_CHECKPOINT_"
+
+
 @dataclasses.dataclass
 class CheckpointConfig:
     """What is saved and restored, where and when. See README "Checkpoints".
-    Every field ``<name>`` can come from ``HYPERACC_CHECKPOINT_<NAME>`` in the environment."""
+    Every field ``<name>`` can come from ``HYPERACC_CHECKPOINT_<NAME>`` in the environment.
+
+    The defaults alone never make a training loop save (accelerate never saves unless asked): see
+    `save_requested`. Which fields were *given* (an argument, or their environment variable) is recorded
+    when the config is built, before the unset ones are resolved; ``dataclasses.replace`` passes every
+    field, so its copy counts them all as given."""
 
     save_ckpt: Optional[bool] = unset(True)
     checkpoint_dir: Optional[str] = unset("./checkpoints")
@@ -184,7 +192,10 @@ class CheckpointConfig:
     save_consolidated: Optional[str] = unset("none")
 
     def __post_init__(self):
-        resolve(self, prefix="HYPERACC_CHECKPOINT_")
+        env = launch_env()
+        self._given = frozenset(f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None
+                                or CHECKPOINT_ENV_PREFIX + f.name.upper() in env)
+        resolve(self, prefix=CHECKPOINT_ENV_PREFIX)
         if isinstance(self.is_peft, str):       # from the environment: a word, or empty for "detect"
             self.is_peft = _from_env(self.is_peft, False) if self.is_peft.strip() else None
         if self.save_consolidated not in SAVE_CONSOLIDATED_CHOICES:
@@ -193,3 +204,18 @@ class CheckpointConfig:
         for name in ("save_steps", "save_epochs", "keep_last_n"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CheckpointConfig.{name} must be >= 0 (0 disables it).")
+
+    def given(self, name: str) -> bool:
+        """Whether field ``name`` was set by an argument or its environment variable (not a default)."""
+        return name in getattr(self, "_given", frozenset())
+
+    @property
+    def save_requested(self) -> bool:
+        """Whether this config asks the training loop to save (`Accelerator.step_end`'s policy and
+        `end_training`'s final checkpoint): ``save_ckpt``, ``checkpoint_dir``, or a non-zero ``save_steps``
+        / ``save_epochs`` given, and ``save_ckpt`` not False. Explicit `save_state` calls save either way."""
+        if not self.save_ckpt:
+            return False
+        return (self.given("save_ckpt") or self.given("checkpoint_dir")
+                or any(self.given(name) and getattr(self, name) > 0 for name in ("save_steps", "save_epochs")))
+

@@ -215,7 +215,7 @@ def test_existing_complete_dir_is_never_overwritten(tmp_path):
     assert ckpt.save(state) is None                         # the same step again: nothing to do
     other = make_state(seed=3)                              # another run, same directory: refused
     other.progress.global_step = 2
-    with pytest.raises(CheckpointDirInUse, match="holds checkpoints of another run.*restore_from=LATEST"):
+    with pytest.raises(CheckpointDirInUse, match="holds checkpoints of another run.*CheckpointConfig.restore_from='LATEST'"):
         Checkpointer(config).save(other)
     assert before == {f: os.path.getmtime(os.path.join(path, f)) for f in os.listdir(path)}
 

@@ -220,7 +220,7 @@ def test_a_fresh_run_in_a_used_directory_is_refused_and_changes_nothing(tmp_path
     before = snapshot(root)
     new = Checkpointer(CheckpointConfig(checkpoint_dir=root, save_steps=2, keep_last_n=1), run_config="run: new\n")
     state = make_state(seed=1)
-    with pytest.raises(CheckpointDirInUse, match="holds checkpoints of another run.*restore_from=LATEST"):
+    with pytest.raises(CheckpointDirInUse, match="holds checkpoints of another run.*CheckpointConfig.restore_from='LATEST'"):
         train(state, new, 2)
     assert state.progress.global_step == 1                   # told at its first step, not at its first save
     assert snapshot(root) == before and open(os.path.join(root, "config.yaml")).read() == "run: old\n"

@@ -340,7 +340,7 @@ def test_bad_input_is_one_clear_error_before_training(refused):
         "context_parallel": ("NotImplementedError", ["context parallelism (cp_size > 1) under Trainer"]),
         "deepspeed_accepted_by_arguments": ("NotImplementedError", ["DeepSpeed is not used by hyperacc"]),
         "resume_true_nothing_saved": ("ValueError", ["resume_from_checkpoint=True", "holds no complete hyperacc checkpoint"]),
-        "resume_plain_checkpoint": ("ValueError", ["checkpoint-1", "transformers' Trainer on plain accelerate",
+        "resume_plain_checkpoint": ("ForeignCheckpointError", ["checkpoint-1", "transformers' Trainer on plain accelerate",
                                                    "not a hyperacc checkpoint"]),
         "resume_missing_path": ("FileNotFoundError", ["no_such_dir", "does not exist"]),
     }

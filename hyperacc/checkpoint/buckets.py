@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from typing import List
+from typing import Dict, List
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict)
 
 from hyperacc.checkpoint import _comm
+from hyperacc.checkpoint.optim_state import canonical_name
 from hyperacc.progress import Progress
 from hyperacc.sharding import reshard
 
@@ -78,10 +79,27 @@ def adapters_only(cfg, models) -> bool:
     return any(is_peft_model(m) for m in models)
 
 
+def tied_aliases(model: nn.Module) -> Dict[str, str]:
+    """``{alias: kept}`` state-dict keys of tied parameters (``lm_head.weight`` -> ``model.embed_tokens.weight``
+    with ``tie_word_embeddings``): one Parameter under several names, kept under its first one, as
+    `optim_state.param_names` keys its optimizer state. Read from the module structure, so every rank
+    agrees (a storage comparison would not: a rank may hold an empty shard)."""
+    kept: Dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        key = canonical_name(name)
+        first = kept.setdefault(id(param), key)
+        if first != key:
+            aliases[key] = first
+    return aliases
+
+
 def model_state(model: nn.Module, *, trainable_only: bool = False) -> dict:
-    """The model bucket (DTensor shards, nothing gathered). ``trainable_only``: the trainable tensors,
-    and a PEFT model's adapter tensors whatever their ``requires_grad`` (an inactive adapter, or a flag
-    PEFT toggled: what the checkpoint holds must not depend on it)."""
+    """The model bucket (DTensor shards, nothing gathered), a tied parameter once, under its kept key
+    (`tied_aliases`: DCP would write each key's bytes, twice for a tied embedding and head).
+    ``trainable_only``: the trainable tensors, and a PEFT model's adapter tensors whatever their
+    ``requires_grad`` (an inactive adapter, or a flag PEFT toggled: what the checkpoint holds must not
+    depend on it)."""
     from hyperacc.integrations.peft import adapter_tensor_names
 
     reshard(model)
@@ -89,12 +107,43 @@ def model_state(model: nn.Module, *, trainable_only: bool = False) -> dict:
     adapters = adapter_tensor_names(model) if trainable_only else set()
     if adapters - set(state):
         state.update({k: v for k, v in get_model_state_dict(model).items() if k in adapters})
+    for alias, kept in tied_aliases(model).items():
+        if alias in state and kept in state:
+            del state[alias]
     return state
 
 
 def restore_model(model: nn.Module, state: dict, *, strict: bool) -> None:
+    """Load ``state`` (a `model_state`: tied parameters under their kept key only) into ``model`` in place;
+    a tied Parameter stays one Parameter."""
     reshard(model)
+    state = dict(state)
+    for alias, kept in tied_aliases(model).items():
+        if kept in state:
+            state[alias] = state[kept]
     set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
+
+
+def check_tied_copies(path: str, key: str, template: dict, aliases: Dict[str, str], group=None) -> None:
+    """Collective, before the model is loaded. A checkpoint written before ties were stored once holds a
+    tied parameter under each of its names (``aliases``: alias -> kept, under the bucket ``key``); they must
+    be equal (one tensor when saved), else the checkpoint came from an untied model whose head the load
+    would drop silently. Reads those tensors into scratch buffers and raises the same error on every rank."""
+    from hyperacc.checkpoint import storage
+
+    probe = {}
+    for alias, kept in aliases.items():
+        probe[alias] = torch.empty_like(template[kept])
+        probe.setdefault(kept, torch.empty_like(template[kept]))
+    storage.dcp_load({key: probe}, path, process_group=group)
+    local = {name: t.to_local() if hasattr(t, "to_local") else t for name, t in probe.items()}
+    differs = [alias for alias, kept in aliases.items() if not torch.equal(local[alias], local[kept])]
+    if not _comm.all_true(not differs, group):
+        alias = differs[0] if differs else next(iter(aliases))
+        raise RuntimeError(f"checkpoint {path} holds different values for {alias} and {aliases[alias]}, which are one "
+                           "tied parameter in this model: it was saved from a model without that tie "
+                           "(tie_word_embeddings=False); nothing was loaded. Build the model with the same tie as the "
+                           "run that saved it.")
 
 
 # --------------------------------------------------------------------------- shared extra state

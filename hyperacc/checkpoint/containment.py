@@ -36,7 +36,7 @@ def refuse_foreign(path: str, action: str) -> None:
     if is_foreign(path):
         raise ForeignPathError(f"{path} is a symlink (to {os.readlink(path)!r}): hyperacc never {action} "
                                "through a symlink inside checkpoint_dir. Remove the link or use another "
-                               "checkpoint_dir.")
+                               "CheckpointConfig.checkpoint_dir.")
 
 
 def open_new_file(path: str):

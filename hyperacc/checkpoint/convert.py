@@ -8,7 +8,7 @@ group, one tensor in memory at a time.
 config comes from the checkpoint's saved run config (``config.yaml``: the pretrained config or the
 preset, with the run's overrides; the vocabulary size from the embedding) or ``--config-from``.
 ``from-hf`` writes a model-only checkpoint (no optimizer, no training state) that a run starts
-from with ``--checkpoint.restore_from=CKPT_DIR``: weights loaded, optimizer and progress fresh.
+from with ``CheckpointConfig.restore_from=CKPT_DIR`` (``load_state(CKPT_DIR)``): weights loaded, optimizer and progress fresh.
 Why a model-only checkpoint rather than loading the HF directory in the job: DCP reshards it to
 any world size and layout, and it is verified (file digests) like every other checkpoint.
 """
@@ -111,8 +111,8 @@ def to_hf(checkpoint: str, output: str, *, config_from: Optional[str] = None, ov
     if (storage.read_sentinel(checkpoint) or {}).get("peft"):
         raise ConvertError(f"{checkpoint} holds the trainable tensors of a PEFT run only (adapters, no base "
                            "model): there is no full model to convert. Fix: export the adapters from a run "
-                           "(hyperacc.integrations.peft.export_adapter / export_merged, or the example's "
-                           "--peft.export_dir after resuming from this checkpoint).")
+                           "(hyperacc.integrations.peft.export_adapter / export_merged in a run that resumes "
+                           "from this checkpoint).")
     metadata = storage.read_dcp_metadata(checkpoint).state_dict_metadata
     prefix = buckets.model_key(0) + "."
     saved = {k[len(prefix):]: v for k, v in metadata.items() if k.startswith(prefix) and hasattr(v, "size")}

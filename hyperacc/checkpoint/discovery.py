@@ -11,7 +11,7 @@ import re
 import warnings
 from typing import List, Optional, Tuple
 
-from hyperacc.checkpoint import containment
+from hyperacc.checkpoint import _comm, containment
 
 POINTER_FILE = "latest_checkpoint_iteration.txt"
 METADATA_FILE = ".metadata"
@@ -94,7 +94,7 @@ def resolve_source(source: str, checkpoint_dir: str) -> Optional[str]:
     if source == "LATEST":
         found = find_latest(checkpoint_dir)
         if found is None:
-            warnings.warn(f"restore_from='LATEST' but {checkpoint_dir!r} holds no complete checkpoint: "
+            warnings.warn(f"LATEST (CheckpointConfig.restore_from / load_state) but {checkpoint_dir!r} holds no complete checkpoint: "
                           "starting from scratch.", stacklevel=2)
         return found
     path = os.fspath(source)
@@ -102,8 +102,8 @@ def resolve_source(source: str, checkpoint_dir: str) -> Optional[str]:
         raise NotADirectoryError(f"{path!r} is a file, not a checkpoint: pass the global_step_<N> directory that "
                                  f"holds it ({os.path.dirname(os.path.abspath(path))!r}), a checkpoint root, or 'LATEST'.")
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"Checkpoint directory {path!r} does not exist (restore_from / "
-                                "load_state source). Pass an existing global_step_<N> directory, a "
+        raise FileNotFoundError(f"Checkpoint directory {path!r} does not exist (CheckpointConfig.restore_from "
+                                "/ load_state source). Pass an existing global_step_<N> directory, a "
                                 "checkpoint root, or 'LATEST'.")
     if is_complete(path):
         return path
@@ -113,31 +113,61 @@ def resolve_source(source: str, checkpoint_dir: str) -> Optional[str]:
             return found
     foreign = foreign_format(path)
     if foreign is not None:
-        raise ValueError(f"{path!r} is {foreign}, not a hyperacc checkpoint (no {METADATA_FILE}, no "
-                         "global_step_<N> directory): hyperacc cannot restore its optimizer, data position and "
-                         "RNG exactly and will not guess. Resume it with the tool that wrote it, or start a new "
-                         "hyperacc run from its weights (load the model from that directory with "
-                         "from_pretrained / hyperacc.models.load_pretrained).")
+        raise ForeignCheckpointError(
+            f"{foreign_text(path, foreign)} (no {METADATA_FILE}, no global_step_<N> directory): hyperacc cannot "
+            f"restore its optimizer, data position and RNG exactly and will not guess. Fix: resume it with the tool "
+            f"that wrote it, or {weights_fix(path)}.")
     raise FileNotFoundError(f"{path!r} is not a complete checkpoint: it has no {METADATA_FILE} (the save "
                             "that wrote it did not finish) and holds no complete global_step_<N> "
                             "directory.")
 
 
-# Files that say who wrote a directory that is not a hyperacc checkpoint.
+@_comm.forwarded
+class ForeignCheckpointError(ValueError):
+    """A directory holds another tool's checkpoint (accelerate's, transformers' Trainer's, a Hugging Face
+    model): `load_state` cannot restore it exactly and `save_state` never writes into it."""
+
+
+# Names that say who wrote a directory that is not a hyperacc checkpoint (accelerate's `save_state`:
+# accelerate.utils.constants and its FSDP helpers; transformers' `Trainer`: trainer_state.json).
 _TRAINER_FILES = ("trainer_state.json",)
-_ACCELERATE_FILES = ("random_states_0.pkl", "optimizer.bin", "pytorch_model_fsdp_0", "optimizer_0")
+_ACCELERATE_NAMES = re.compile(r"^(random_states_\d+\.pkl|(optimizer|scheduler|sampler)(_\d+)?\.bin|scaler\.pt"
+                               r"|pytorch_model_fsdp(_\d+)?(\.bin)?|optimizer_\d+|dl_state_dict(_\d+)?\.bin)$")
+_WEIGHT_NAMES = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+_OWN_NAMES = ("hyperacc_checkpoint.json", "extra_state")     # written before DCP's files (an unfinished save)
 
 
 def foreign_format(path: str) -> Optional[str]:
-    """What wrote ``path`` when it is transformers' `Trainer` or accelerate's `save_state` (None otherwise)."""
+    """What wrote ``path`` when it is another tool's checkpoint or model (None: hyperacc's, or none)."""
     names = set(os.listdir(path)) if os.path.isdir(path) else set()
-    if "hyperacc_checkpoint.json" in names or any(name.endswith(".distcp") for name in names):
+    if names & set(_OWN_NAMES) or any(name.endswith(".distcp") for name in names):
         return None         # hyperacc's own (an unfinished save of the Trainer integration holds trainer_state.json too)
     if names & set(_TRAINER_FILES):
         return "a checkpoint written by transformers' Trainer on plain accelerate (trainer_state.json)"
-    if names & set(_ACCELERATE_FILES):
+    if any(_ACCELERATE_NAMES.match(name) for name in names):
         return "a checkpoint written by accelerate's save_state"
+    if any(_WEIGHT_NAMES.match(name) for name in names):
+        if "config.json" in names:
+            return "a Hugging Face model directory (config.json and weights, as save_pretrained writes)"
+        return "a checkpoint written by accelerate's save_state (model weights without config.json)"
     return None
+
+
+def foreign_text(path: str, foreign: str) -> str:
+    """The words `load_state` and `save_state` both use for another tool's checkpoint."""
+    return f"{path!r} is {foreign}, not a hyperacc checkpoint"
+
+
+def weights_fix(path: str) -> str:
+    """How to start a hyperacc run from the weights in ``path`` (another tool's checkpoint), in a way that
+    works there: directly when it is a Hugging Face model directory, else through accelerate's own loader."""
+    names = set(os.listdir(path)) if os.path.isdir(path) else set()
+    if "config.json" in names and any(_WEIGHT_NAMES.match(name) for name in names):
+        return f"start a new hyperacc run from its weights: hyperacc.models.load_pretrained({path!r})"
+    return ("export its weights with accelerate's own loader (prepare the same model and optimizer with "
+            f"accelerate.Accelerator, accelerator.load_state({path!r}), then "
+            "accelerator.unwrap_model(model).save_pretrained(DIR, state_dict=accelerator.get_state_dict(model))) "
+            "and start a new hyperacc run from them: hyperacc.models.load_pretrained(DIR)")
 
 
 def latest_candidates(root: str) -> List[str]:

@@ -44,8 +44,10 @@ class CheckpointDirInUse(RuntimeError):
 
 
 def manages(root: str, path: str) -> bool:
-    """Whether ``path`` is a step directory of ``root`` (the layout the lifecycle governs)."""
-    return os.path.dirname(os.path.abspath(path)) == os.path.abspath(root)
+    """Whether ``path`` is a step directory of ``root`` (the layout the lifecycle governs): a
+    ``global_step_<N>`` directly in it. Other names there (accelerate's ``checkpoint_<i>`` when
+    ``root`` is ``<project_dir>/checkpoints``, an explicit ``save_state`` name) are written as they are."""
+    return os.path.dirname(os.path.abspath(path)) == os.path.abspath(root) and discovery.step_of(path) is not None
 
 
 def refuse_foreign_history(root: str, source: Optional[str] = None) -> None:
@@ -57,8 +59,9 @@ def refuse_foreign_history(root: str, source: Optional[str] = None) -> None:
     where = (f"this run restored {source}, which is not in it" if source else "this run did not resume from them")
     raise CheckpointDirInUse(
         f"checkpoint_dir {os.path.abspath(root)} already holds checkpoints of another run (steps "
-        f"{_steps_text(steps)}) and {where}: its saves would mix with them. Fix: resume that run with "
-        "--checkpoint.restore_from=LATEST (load_state('LATEST')), or use another --checkpoint.checkpoint_dir.")
+        f"{_steps_text(steps)}) and {where}: its saves would mix with them. Fix: resume that run "
+        "(CheckpointConfig.restore_from='LATEST', or load_state('LATEST')), or use another "
+        "CheckpointConfig.checkpoint_dir.")
 
 
 def settle_after_resume(root: str, step: int, damaged: Iterable[str] = ()) -> List[str]:
@@ -76,7 +79,8 @@ def settle_after_resume(root: str, step: int, damaged: Iterable[str] = ()) -> Li
             raise CheckpointDirInUse(
                 f"{path} is a symlink (a checkpoint hyperacc did not write) newer than the step {step} this run "
                 "resumes from: it would mix into this run's history, and hyperacc never moves what it does not "
-                "own. Fix: remove the link, or resume from it (--checkpoint.restore_from=LATEST).")
+                "own. Fix: remove the link, or resume from it (CheckpointConfig.restore_from='LATEST', or "
+                "load_state('LATEST')).")
         target = _free_name(f"{path}.{reason}-{stamp}")
         os.rename(path, target)
         lines.append(f"{os.path.basename(path)} -> {os.path.basename(target)}"

@@ -58,7 +58,7 @@ def shared_problem(checkpoint_dir: str, rank0: tuple) -> Optional[str]:
     if os.path.abspath(checkpoint_dir) != root:
         return (f"checkpoint_dir is {root} on rank 0 but {os.path.abspath(checkpoint_dir)} on host "
                 f"{socket.gethostname()}: every rank must save into the same (shared) directory. Fix: launch every "
-                "node with the same --checkpoint.checkpoint_dir.")
+                "node with the same CheckpointConfig.checkpoint_dir.")
     if record is None:
         return None
     try:
@@ -113,7 +113,7 @@ class DirLock:
             raise CheckpointDirLocked(
                 f"checkpoint_dir {self.root} is in use by another job ({_describe(holder)}): two jobs "
                 "must not save into one directory. Stop that job (or wait for it to end), or use another "
-                "checkpoint_dir.") from None
+                "CheckpointConfig.checkpoint_dir.") from None
         except BaseException:
             os.close(fd)
             raise

@@ -58,6 +58,7 @@ class Checkpointer:
         self._base_fingerprints = {}        # PEFT: the frozen base's fingerprint, once per model (frozen_base.py)
         self._history_checked = False       # whether checkpoint_dir's history was checked (lifecycle.py)
         self._damaged: list = []            # checkpoints LATEST skipped as damaged in the last load
+        self.saves_into_checkpoint_dir = True   # False: the caller's ``save`` writes elsewhere (automatic naming)
 
     # ------------------------------------------------------------------ public API
     def lock(self) -> None:
@@ -70,12 +71,14 @@ class Checkpointer:
         """The run's config as YAML text (see ``__init__``); call before ``load``/``save``."""
         self.run_config = text
 
-    def on_step_end(self, state: TrainState) -> Optional[str]:
-        """After each optimizer step: save when the policy says so. Returns the directory saved."""
+    def on_step_end(self, state: TrainState, save=None) -> Optional[str]:
+        """After each optimizer step: save when the policy says so. Returns the directory saved.
+        ``save(final)`` writes it (default: `save` into checkpoint_dir); the Accelerator passes its own,
+        which adds accelerate's registered objects and automatic naming."""
         if not self.config.save_ckpt:
             return None
-        if not self._history_checked:   # a fresh run learns at its first step, not its first save, that
-            self._check_history()       # checkpoint_dir holds another run's checkpoints
+        if not self._history_checked and self.saves_into_checkpoint_dir:   # a fresh run learns at its first
+            self._check_history()       # step, not its first save, that checkpoint_dir holds another run's checkpoints
         self._reap_finished_async()
         loader_epoch = getattr(state.loader, "epoch", None)
         epoch = int(loader_epoch) if loader_epoch is not None else int(state.progress.epoch)
@@ -83,22 +86,22 @@ class Checkpointer:
         if reason is None:
             return None
         logger.info("saving checkpoint at step %d: %s", state.progress.global_step, reason)
-        return self.save(state)
+        return save(False) if save is not None else self.save(state)
 
-    def finish(self, state: TrainState, *, final_save: bool = True) -> None:
+    def finish(self, state: TrainState, *, final_save: bool = True, save=None) -> None:
         """End of training: a synchronous final save (unless this step was just saved, or
         ``final_save`` is False: no policy asked for one), wait for in-flight saves, export to
-        Hugging Face format when ``save_consolidated == "final"``."""
+        Hugging Face format when ``save_consolidated == "final"``. ``save(final)``: as for `on_step_end`."""
         try:
             if not self.config.save_ckpt or not final_save:
                 self.wait()
                 return
             step = int(state.progress.global_step)
             if step > 0 and self.policy.final_needed(step):
-                self.save(state, final=True)
+                save(True) if save is not None else self.save(state, final=True)
             self.wait()
             last = self._last_saved_path
-            if self.config.save_consolidated == "final" and last and discovery.step_of(last) == step:
+            if self.config.save_consolidated == "final" and last and self.policy.last_saved_step == step:
                 hf_dir = os.path.join(last, "hf")
                 if not _comm.broadcast_object(os.path.isdir(hf_dir), self.cpu_group):
                     export_hf(buckets.as_list(state.models)[0], hf_dir, group=self.cpu_group)
@@ -139,7 +142,7 @@ class Checkpointer:
             what = ("already holds a complete checkpoint" if status == "exists" else
                     "is a symlink (a checkpoint hyperacc did not write: it is never written into)")
             buckets.warn0(f"{path} {what}: it is kept as it is and this save is skipped (hyperacc never overwrites a "
-                  "checkpoint; use another checkpoint_dir or remove it to save there).")
+                  "checkpoint; use another CheckpointConfig.checkpoint_dir or remove it to save there).")
             self.policy.note_saved(step)
             return None
 
@@ -150,6 +153,8 @@ class Checkpointer:
         base = frozen_base.for_models(models, self.cpu_group, self._base_fingerprints) if peft else None
         for i, model in enumerate(models):
             payload[buckets.model_key(i)] = buckets.model_state(model, trainable_only=peft)
+        tied = [{alias: kept for alias, kept in buckets.tied_aliases(m).items() if kept in payload[buckets.model_key(i)]}
+                for i, m in enumerate(models)]     # stored once, under the kept key (recorded for readers)
         for i, optimizer in enumerate(optimizers):
             owner = buckets.optimizer_owner(models, i, len(optimizers))
             payload[buckets.optimizer_key(i)] = optim_state.optimizer_state(owner, optimizer)
@@ -185,7 +190,8 @@ class Checkpointer:
                     "models": len(models), "optimizers": len(optimizers),
                     "schedulers": len(buckets.as_list(state.schedulers)) if layout != "none" else 0,
                     "world_size": _comm.world_size(), "dp_size": int(state.dp_size),
-                    "peft": peft, "frozen_base": base, "seed": int(state.seed), "precision": state.precision})
+                    "peft": peft, "frozen_base": base, "seed": int(state.seed), "precision": state.precision,
+                    "tied": tied})
             return digests
 
         digests = _comm.run_on_every_rank(write_own_files, self.cpu_group)   # one rank failing stops all
@@ -242,16 +248,22 @@ class Checkpointer:
         templates = [buckets.model_state(m, trainable_only=peft) for m in models]
         model_keys = [{f"{buckets.model_key(i)}.{k}": tuple(v.shape) for k, v in t.items()}   # key -> shape
                       for i, t in enumerate(templates)]
-        path = self._trusted_checkpoint(source)
+        path, self._damaged = restore.trusted_checkpoint(source, cfg.checkpoint_dir, self.integrity, self.cpu_group,
+                                                         lock=self._lock if cfg.save_ckpt else None)
         clock.lap("verify")
         if path is None:
             return None
         base = frozen_base.for_models(models, self.cpu_group) if peft else None     # fresh: checked as it is now
+        tied = [buckets.tied_aliases(m) for m in models]
         plan = _comm.decide_on_rank0(
             lambda: restore.plan_load(cfg, path, model_keys, live_groups, state, adapters_only=peft,
-                                      frozen=base), self.cpu_group)
+                                      frozen=base, tied=tied), self.cpu_group)
         clock.lap("plan")
 
+        for i, aliases in enumerate(plan.get("tied_copies") or []):      # an older checkpoint's second copy of a tie
+            if aliases:
+                buckets.check_tied_copies(path, buckets.model_key(i), templates[i], {a: tied[i][a] for a in aliases},
+                                          self.cpu_group)
         payload = {buckets.model_key(i): t for i, t in enumerate(templates)}
         n_opt = len(plan["optim"])
         for i in range(n_opt):
@@ -305,41 +317,11 @@ class Checkpointer:
         _comm.decide_on_rank0(lambda: lifecycle.refuse_foreign_history(root, self._restored_from), self.cpu_group)
         self._history_checked = True
 
-    def _trusted_checkpoint(self, source: str) -> Optional[str]:
-        """Collective: the checkpoint to load, its files verified; "LATEST" falls back past damaged ones."""
-        candidates = _comm.decide_on_rank0(lambda: self._candidates(source), self.cpu_group)
-        self._damaged = []
-        for n, path in enumerate(candidates):
-            problem = restore.verify(path, self.integrity, self.cpu_group)
-            if problem is None:
-                return path
-            self._damaged.append(path)
-            if n + 1 < len(candidates):
-                buckets.warn0(f"{problem}. restore_from='LATEST': falling back to {candidates[n + 1]}.")
-                continue
-            hint = (" No older checkpoint verifies either." if n else "")
-            raise integrity.IntegrityError(f"{problem}.{hint} Restore another checkpoint (restore_from=<path>) "
-                                           "or copy the damaged file back from a backup.")
-        return None
-
     def _manages(self, path: str) -> bool:
         """Whether ``path`` is a step directory of ``checkpoint_dir`` (the layout hyperacc owns: lock,
         LATEST, retention, config.yaml, lifecycle). An explicit directory elsewhere (accelerate's
         ``save_state("my_dir")``) is written and read as it is, touching nothing else."""
         return lifecycle.manages(self.config.checkpoint_dir, path)
-
-    def _candidates(self, source: str) -> list:
-        """Rank 0: the single-writer lock (when this job may save into checkpoint_dir), then the
-        checkpoints ``source`` may mean, best first (several only for "LATEST")."""
-        root = self.config.checkpoint_dir
-        if self.config.save_ckpt and (source == "LATEST" or self._manages(discovery.resolve_source(source, root) or source)):
-            self._lock.acquire()
-        if source == "LATEST":
-            candidates = discovery.latest_candidates(root)
-            if candidates:
-                return [os.path.abspath(p) for p in candidates]
-        found = discovery.resolve_source(source, root)
-        return [os.path.abspath(found)] if found is not None else []
 
     def _write_root_config(self) -> None:
         if self.run_config is not None and not self._root_config_written:
@@ -347,7 +329,13 @@ class Checkpointer:
             self._root_config_written = True
 
     def _prepare_dir(self, path: str) -> str:
-        """Rank 0, before a save: the lock, the run's config, and whether ``path`` may be written."""
+        """Rank 0, before a save: whether ``path`` may be written (another tool's checkpoint never: refused
+        before anything is written), the lock, the run's config."""
+        foreign = discovery.foreign_format(path)
+        if foreign is not None:
+            raise discovery.ForeignCheckpointError(f"{discovery.foreign_text(path, foreign)}: hyperacc never writes "
+                                                   "into it (its files stay as they are). Fix: save_state(<a new "
+                                                   "directory>), or another CheckpointConfig.checkpoint_dir.")
         managed = self._manages(path)
         if managed:
             self._lock.acquire()
@@ -360,7 +348,8 @@ class Checkpointer:
         if discovery.is_complete(path):
             if managed:     # the lifecycle set every newer step aside: this would be another history's
                 raise lifecycle.CheckpointDirInUse(f"{path} already holds a complete checkpoint this run did not "
-                                                   "write; it is never overwritten. Use another checkpoint_dir.")
+                                                   "write; it is never overwritten. Use another "
+                                                   "CheckpointConfig.checkpoint_dir.")
             return "exists"
         if os.path.isdir(path) and os.listdir(path):
             buckets.warn0(f"{path} holds an incomplete checkpoint (no .metadata; an interrupted save): writing "

@@ -12,7 +12,8 @@ import os
 import warnings
 from typing import List, Optional
 
-from hyperacc.checkpoint import _comm, buckets, frozen_base, integrity, optim_state, rng, storage
+from hyperacc.checkpoint import (_comm, buckets, discovery, frozen_base, integrity, lifecycle, optim_state, rng,
+                                 storage)
 
 logger = logging.getLogger("hyperacc.checkpoint")
 warn0 = buckets.warn0
@@ -61,12 +62,46 @@ def verify(path: str, enabled: bool, group=None) -> Optional[str]:
     return f"checkpoint {path} is damaged: {problems[0]}{more}"
 
 
+def _candidates(source: str, root: str, lock) -> list:
+    """Rank 0: the single-writer ``lock`` (given when this job may save into ``root``; taken only where
+    ``root`` exists: nothing to guard, or create, elsewhere), then the checkpoints ``source`` may mean,
+    best first (several only for "LATEST")."""
+    if (lock is not None and os.path.isdir(root)
+            and (source == "LATEST" or lifecycle.manages(root, discovery.resolve_source(source, root) or source))):
+        lock.acquire()
+    if source == "LATEST":
+        candidates = discovery.latest_candidates(root)
+        if candidates:
+            return [os.path.abspath(p) for p in candidates]
+    found = discovery.resolve_source(source, root)
+    return [os.path.abspath(found)] if found is not None else []
+
+
+def trusted_checkpoint(source: str, root: str, enabled: bool, group=None, *, lock=None) -> tuple:
+    """Collective: (the checkpoint to load, its files verified, or None; the damaged ones passed over).
+    "LATEST" falls back past damaged checkpoints to the newest older one that verifies."""
+    candidates = _comm.decide_on_rank0(lambda: _candidates(source, root, lock), group)
+    damaged = []
+    for n, path in enumerate(candidates):
+        problem = verify(path, enabled, group)
+        if problem is None:
+            return path, damaged
+        damaged.append(path)
+        if n + 1 < len(candidates):
+            warn0(f"{problem}. restore_from='LATEST': falling back to {candidates[n + 1]}.")
+            continue
+        hint = (" No older checkpoint verifies either." if n else "")
+        raise integrity.IntegrityError(f"{problem}.{hint} Restore another checkpoint (CheckpointConfig.restore_from="
+                                       "<path>, or load_state(<path>)) or copy the damaged file back from a backup.")
+    return None, damaged
+
+
 # --------------------------------------------------------------------------- the load plan
 def _mismatch_hint(sentinel: dict, adapters_only: bool) -> str:
     saved_peft = sentinel.get("peft")
     if saved_peft and not adapters_only:
         return ("the checkpoint holds the trainable tensors of a PEFT run only: wrap the model with the same "
-                "PEFT config before prepare(), or set is_peft=True for a model whose frozen part comes from elsewhere")
+                "PEFT config before prepare(), or set CheckpointConfig.is_peft=True for a model whose frozen part comes from elsewhere")
     if saved_peft is False and adapters_only:
         return ("the checkpoint holds a full model, not adapters: a PEFT run resumes from its own checkpoints; "
                 "start adapters from a full model by loading its weights (hyperacc.models.load_pretrained)")
@@ -101,18 +136,34 @@ def _refuse_unused_adapters(path: str, model_keys, available) -> None:
                            "config that saved it.")
 
 
+def _tied_hint(sentinel: dict, missing: List[str]) -> Optional[str]:
+    """When the keys missing are tied aliases the checkpoint stored once: the tie that differs."""
+    saved = {f"{buckets.model_key(i)}.{alias}": f"{buckets.model_key(i)}.{kept}"
+             for i, tied in enumerate(sentinel.get("tied") or []) for alias, kept in tied.items()}
+    if missing and all(k in saved for k in missing):
+        return (f"the checkpoint's model ties {missing[0]} to {saved[missing[0]]} (one parameter, stored once) and "
+                "this model does not: build it with the same tie as the run that saved it (tie_word_embeddings)")
+    return None
+
+
 def plan_load(cfg, path: str, model_keys, live_groups: List[List[List[str]]], state, *,
-              adapters_only: bool = False, frozen: Optional[list] = None) -> dict:
+              adapters_only: bool = False, frozen: Optional[list] = None, tied: Optional[list] = None) -> dict:
     """Rank 0: check everything that could fail, before any collective. ``live_groups``: per
     optimizer to restore, its param groups' parameter names. ``model_keys``: what must be there
     (``adapters_only``: the trainable tensors). ``frozen``: the live frozen base's fingerprints
-    (`frozen_base`), checked against the checkpoint's."""
+    (`frozen_base`), checked against the checkpoint's. ``tied``: per model, its tied ``{alias: kept}``
+    keys (`buckets.tied_aliases`); the plan's ``tied_copies`` names the aliases a checkpoint written
+    before ties were stored once still holds, which the load checks equal to their kept key."""
     sentinel = storage.read_sentinel(path) or {}
     available = storage.read_dcp_metadata(path).state_dict_metadata
     missing = [k for keys in model_keys for k in keys if k not in available]
     if missing:
+        hint = _tied_hint(sentinel, missing) or _mismatch_hint(sentinel, adapters_only)
         raise RuntimeError(f"missing model key(s) in checkpoint {path}: {missing[:8]}"
-                           f"{' ...' if len(missing) > 8 else ''} ({_mismatch_hint(sentinel, adapters_only)}).")
+                           f"{' ...' if len(missing) > 8 else ''} ({hint}).")
+    copies = [sorted(alias for alias, kept in (aliases or {}).items()
+                     if f"{buckets.model_key(i)}.{kept}" in keys and f"{buckets.model_key(i)}.{alias}" in available)
+              for i, (keys, aliases) in enumerate(zip(model_keys, tied or [{}] * len(model_keys)))]
     _check_shapes(path, model_keys, available)
     if adapters_only:
         _refuse_unused_adapters(path, model_keys, available)
@@ -122,7 +173,8 @@ def plan_load(cfg, path: str, model_keys, live_groups: List[List[List[str]]], st
         # A model-only checkpoint (`convert from-hf`): where a run starts, not where one resumes.
         logger.info("%s holds weights only: optimizer, schedule, loader and progress start fresh.", path)
         return {"path": path, "saved_optimizers": 0, "optim": [], "layout": "none", "model_only": True,
-                "saved_world_size": None, "saved_dp_size": None, "embedded_numel": None, "same_topology": False}
+                "saved_world_size": None, "saved_dp_size": None, "embedded_numel": None, "same_topology": False,
+                "tied_copies": copies}
     saved_precision = sentinel.get("precision")
     if saved_precision and saved_precision != state.precision:
         warn0(f"checkpoint {path} was saved under precision={saved_precision!r} and this run uses "
@@ -133,15 +185,16 @@ def plan_load(cfg, path: str, model_keys, live_groups: List[List[List[str]]], st
     if saved_optimizers is None:
         saved_optimizers = len({k.split(".")[0] for k in available if k.startswith("optimizer")})
     if n_optimizers and saved_optimizers == 0:
-        raise FileNotFoundError(f"{path} holds no optimizer state (saved with save_optimizer=False); "
-                                "set restore_optimizer=False to load it.")
+        raise FileNotFoundError(f"{path} holds no optimizer state (saved with "
+                                "CheckpointConfig.save_optimizer=False); set CheckpointConfig.restore_optimizer=False "
+                                "to load it.")
     if n_optimizers and saved_optimizers != n_optimizers:
         warn0(f"The checkpoint holds {saved_optimizers} optimizer(s) but training has {n_optimizers}: "
               f"restoring the first {min(saved_optimizers, n_optimizers)} pair(s) in order, the rest "
               "keep their fresh state.")
     plan = {"path": path, "saved_optimizers": saved_optimizers, "optim": [],
             "saved_world_size": sentinel.get("world_size"), "saved_dp_size": sentinel.get("dp_size"),
-            "embedded_numel": None, "same_topology": False}
+            "embedded_numel": None, "same_topology": False, "tied_copies": copies}
     for i in range(min(saved_optimizers, n_optimizers)):
         plan["optim"].append(_optimizer_plan(path, available, i, live_groups[i]))
     _plan_train_state(cfg, path, sentinel, available, plan, state)
@@ -159,7 +212,7 @@ def _optimizer_plan(path: str, available: dict, index: int, live: List[List[str]
     if difference:
         raise ValueError(f"cannot restore the optimizer state of {path}: {difference}. Build the optimizer as "
                          "it was at save time (same parameters, param groups and order), or set "
-                         "restore_optimizer=False to start it fresh.")
+                         "CheckpointConfig.restore_optimizer=False to start it fresh.")
     return {"structure": structure, "groups": groups}
 
 
@@ -176,8 +229,9 @@ def _plan_train_state(cfg, path, sentinel, available, plan, state) -> None:
     if not cfg.restore_train_state:
         return
     if layout == "none":
-        raise FileNotFoundError(f"{path} holds no training state (saved with save_train_state=False: "
-                                "weights only). Set restore_train_state=False to load just the weights.")
+        raise FileNotFoundError(f"{path} holds no training state (saved with "
+                                "CheckpointConfig.save_train_state=False: weights only). Set "
+                                "CheckpointConfig.restore_train_state=False to load just the weights.")
     world = _comm.world_size()
     plan["same_topology"] = (sentinel.get("world_size") == world and sentinel.get("dp_size") == int(state.dp_size))
     if layout == "per_rank":
