@@ -230,6 +230,24 @@ def refusal(files, out: str) -> str:
     return "no error"
 
 
+def tensor_parallel_checks() -> dict:
+    """2 ranks, tp_size=2 (one data-parallel rank): both read the same samples; an explicit
+    dispatch_batches=True (which would slice batches over both) is refused."""
+    import hyperacc
+    from accelerate.utils import DataLoaderConfiguration
+
+    parallel = hyperacc.ParallelConfig(dp_shard_size=1, tp_size=2)
+    loader = hyperacc.Accelerator(parallel=parallel).prepare(DataLoader(Stream(), batch_size=3, collate_fn=collate))
+    ids = [[int(i) for i in batch["id"]] for batch in loader]
+    acc = hyperacc.Accelerator(parallel=parallel, dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    try:
+        acc.prepare(DataLoader(Stream(), batch_size=3, collate_fn=collate))
+        refused = "no error"
+    except ValueError as error:
+        refused = f"{type(error).__name__}: {error}"
+    return {"ids": gather(ids), "refused": refused}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -253,6 +271,8 @@ def main():
         if name in names:
             result["resume"][name] = resume_case(name, CASES[name], files, a.out)
     result["refusal"] = refusal(files, a.out)
+    if world() == 2:
+        result["tensor_parallel"] = tensor_parallel_checks()
     if a.resume_from:
         expect = json.loads(open(a.expect).read())
         saved_world = expect["world"]
