@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from hyperacc.launch_env import free_port  # noqa: E402
 LENGTHS = (512, 1024, 2048, 4096)
 BUDGET_LEN, TIME_LEN = 2048, 2048
 CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
@@ -79,7 +80,7 @@ def launch(cp, out):
     if cp == 1:
         cmd = [sys.executable, me, "--worker", out, "1"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cp}", "--master_port=29641",
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cp}", f"--master_port={free_port()}",
                "--master_addr=127.0.0.1", me, "--worker", out, str(cp)]
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
     with open(out) as handle:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from hyperacc.launch_env import free_port  # noqa: E402
 STEPS, MBS, SEQ = 8, 4, 128
 CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=32, num_experts_per_tok=2,
@@ -128,7 +129,7 @@ def run_all():
             out = os.path.join(tmp, f"{n}.json")
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-                            f"--master_port={29700 + n}", __file__, out, impl, layout, experts,
+                            f"--master_port={free_port()}", __file__, out, impl, layout, experts,
                             os.path.join(tmp, "model")], check=True, env=env, capture_output=True)
             results.append(json.load(open(out)))
             print(json.dumps(results[-1]), flush=True)

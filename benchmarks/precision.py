@@ -18,13 +18,15 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from hyperacc.launch_env import free_port  # noqa: E402
 
 
 def run(recipe: str, steps: int, out_dir: str) -> list:
     metrics = os.path.join(out_dir, f"{recipe}.jsonl")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(REPO, "accelerate_configs", "cpu_fsdp2_2proc.yaml"),
-           "--main_process_port", str(29400 + os.getpid() % 500), os.path.join(REPO, "examples", "train_qwen.py"),
+           "--main_process_port", str(free_port()), os.path.join(REPO, "examples", "train_qwen.py"),
            f"--fsdp.precision={recipe}", f"--training.max_steps={steps}", "--training.epochs=100",
            f"--logging.metrics_file={metrics}", "--logging.progress_bar=false", "--logging.logging_steps=50",
            "--eval.eval_steps=0"]

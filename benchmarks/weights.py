@@ -20,6 +20,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from hyperacc.launch_env import free_port  # noqa: E402
 MiB = 2**20
 
 
@@ -120,7 +121,7 @@ def launch(world, mode, model, tmp):
     result = os.path.join(tmp, f"{mode}-{world}.json")
     out_dir = os.path.join(tmp, f"out-{mode}-{world}")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
-           f"--master_port={29500 + (os.getpid() % 1000)}", os.path.abspath(__file__), "--worker", "--mode", mode,
+           f"--master_port={free_port()}", os.path.abspath(__file__), "--worker", "--mode", mode,
            "--model", model, "--result", result, "--out-dir", out_dir]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1"}
     subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)

@@ -181,8 +181,12 @@ def run(name: str, layout: dict, steps: int, out_dir: str, extra: list) -> dict:
     if procs == 1:
         cmd = [sys.executable, SCRIPT, *args]
     else:
+        if REPO not in sys.path:
+            sys.path.insert(0, REPO)
+        from hyperacc.launch_env import free_port
+
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", LAUNCH_CONFIG,
-               "--num_processes", str(procs), "--main_process_port", str(29600 + os.getpid() % 300), SCRIPT, *args]
+               "--num_processes", str(procs), "--main_process_port", str(free_port()), SCRIPT, *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     log = os.path.join(out_dir, f"{name}.log")
     with open(log, "w") as handle:

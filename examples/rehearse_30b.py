@@ -99,8 +99,12 @@ def train(layout: str, weights: str, out: str, steps: int, *, restore: str = Non
     flags += [f"--model.overrides.{key}={value}" for key, value in model_overrides(layout).items()]
     if restore:
         flags.append(f"--checkpoint.restore_from={restore}")
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from hyperacc.launch_env import free_port
+
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", LAUNCH_CONFIG, "--num_processes", "8",
-           "--main_process_port", str(29500 + os.getpid() % 1000), os.path.join(REPO, "examples", "train_qwen.py"),
+           "--main_process_port", str(free_port()), os.path.join(REPO, "examples", "train_qwen.py"),
            CONFIG] + flags
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     watch, start = MemoryWatch(), time.perf_counter()

@@ -35,3 +35,14 @@ def env_hidden(names):
         yield
     finally:
         os.environ.update(saved)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for the rendezvous of a launch started from Python
+    (``accelerate launch --main_process_port``, ``torchrun --master_port``). A fixed default such
+    as 29500, or one derived from the process id, collides with any other job on the machine."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
