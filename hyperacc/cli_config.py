@@ -252,14 +252,14 @@ def parse_config(schema_cls, yaml_path=None, argv: Optional[Sequence[str]] = Non
 
 
 def given_keys(schema_cls, yaml_path=None, argv: Sequence[str] = ()) -> dict:
-    """``{"section.field": layer}`` for every field the YAML file (layer 1) or a flag (layers 2, 3, ... in
-    command-line order) sets, as ``parse_config`` reads the same arguments: what the user asked for, as
-    opposed to defaults and the launch environment. A script uses it to refuse an option that its switch
-    turns off, unless the switch was turned off later (a flag disabling what the YAML configures)."""
+    """``{"section.field": layer}`` for every field the YAML file (layer 1) or a flag (layer 2) sets, as
+    ``parse_config`` reads the same arguments: what the user asked for, as opposed to defaults and the
+    launch environment. A script uses it to refuse an option whose switch is off, unless the switch was
+    turned off in a later layer (a flag disabling what the YAML file configures)."""
     path, overrides = _parse_argv(schema_cls(), ([] if yaml_path is None else [str(yaml_path)]) + list(argv))
-    layers = [load_yaml(path) if path else {}] + [layer for _, layer in overrides]
+    layers = [(1, load_yaml(path) if path else {})] + [(2, layer) for _, layer in overrides]
     given = {}
-    for index, layer in enumerate(layers, start=1):
+    for index, layer in layers:
         for section, fields in layer.items():
             for name in fields if isinstance(fields, dict) else ():
                 given[f"{section}.{name}"] = index

@@ -9,12 +9,17 @@ user turns, role headers, tool results -- gets the label ``-100``. A template wi
 blocks cannot say where the assistant's tokens are: it is refused, naming the fix, rather than
 guessed at from string offsets.
 
-Two record shapes, as TRL and the hub's chat sets store them:
+Three record shapes, as TRL and the hub's chat sets store them:
 - ``{"messages": [{"role": ..., "content": ...}, ...]}`` (the column name is configurable);
 - ``{"prompt": [...messages], "completion": [...messages]}``: the completion's tokens are where the
   rendered prompt (with the generation prompt) and the rendered conversation part, and only they
-  are trained on (intersected with the assistant mask).
-Labels are unshifted (``labels[i]`` is token ``i``), as transformers' causal-LM losses expect.
+  are trained on (intersected with the assistant mask);
+- ``{"prompt": "text", "completion": "text"}`` (TRL's standard, non-conversational form): no template;
+  the text ``prompt + completion + EOS`` tokenized as one, trained on the completion (and EOS) only --
+  from where the prompt's own tokens and the whole's part, as TRL's SFTTrainer does with
+  ``completion_only_loss``.
+Anything else is refused naming these forms. Labels are unshifted (``labels[i]`` is token ``i``), as
+transformers' causal-LM losses expect.
 """
 from __future__ import annotations
 
@@ -132,17 +137,60 @@ def render_prompt_completion(tokenizer, prompt: Sequence[dict], completion: Sequ
     return sample
 
 
+def render_text_prompt_completion(tokenizer, prompt: str, completion: str) -> Dict[str, List[int]]:
+    """TRL's standard prompt-completion record: ``prompt + completion`` (+ EOS unless it ends with it) as one
+    text, trained on the tokens from where the prompt tokenized alone and the whole part (the completion's)."""
+    eos = tokenizer.eos_token
+    if eos and not completion.endswith(eos):
+        completion += eos
+    prompt_ids = _as_list(tokenizer(text=prompt)["input_ids"])
+    ids = _as_list(tokenizer(text=prompt + completion)["input_ids"])
+    start = 0
+    for a, b in zip(prompt_ids, ids):
+        if a != b:
+            break
+        start += 1
+    return {"input_ids": ids, "labels": [IGNORE_INDEX] * start + ids[start:]}
+
+
+RECORD_FORMS = ("{'messages': [{'role': ..., 'content': ...}, ...]}, {'prompt': [messages], 'completion': [messages]} "
+                "or {'prompt': 'text', 'completion': 'text'}")
+
+
+def _check_messages(messages, field: str) -> None:
+    """``messages`` is a list of mappings with a role (what a chat template renders; their content is the
+    template's to judge): one ValueError naming the expected forms otherwise, not the template's own error."""
+    bad = None if isinstance(messages, (list, tuple)) else messages
+    for message in messages if bad is None else ():
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+            bad = message
+            break
+    if bad is not None or not messages:
+        what = f"{type(bad).__name__} {str(bad)[:60]!r}" if bad is not None else "an empty list"
+        raise ValueError(f"{field!r} holds {what} where a list of {{'role': ..., 'content': ...}} messages is "
+                         f"expected. Records are {RECORD_FORMS}.")
+
+
 def render_record(tokenizer, record: dict, *, messages_column: str = "messages",
                   chat_template: Optional[str] = None) -> Dict[str, List[int]]:
-    """One dataset record (``messages_column`` or prompt/completion) as ``input_ids`` and ``labels``."""
+    """One dataset record (``messages_column``, or prompt/completion as messages or as text) as
+    ``input_ids`` and ``labels``."""
     tools = record.get("tools")
     if "prompt" in record and "completion" in record:
-        return render_prompt_completion(tokenizer, record["prompt"], record["completion"],
-                                        chat_template=chat_template, tools=tools)
+        prompt, completion = record["prompt"], record["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return render_text_prompt_completion(tokenizer, prompt, completion)
+        if isinstance(prompt, str) or isinstance(completion, str):
+            raise ValueError(f"'prompt' is {type(prompt).__name__} and 'completion' {type(completion).__name__}: both "
+                             f"must be text, or both lists of messages. Records are {RECORD_FORMS}.")
+        _check_messages(prompt, "prompt")
+        _check_messages(completion, "completion")
+        return render_prompt_completion(tokenizer, prompt, completion, chat_template=chat_template, tools=tools)
     if messages_column not in record:
         raise KeyError(f"a chat record needs a {messages_column!r} column (role/content messages) or 'prompt' and "
                        f"'completion'; this one has {sorted(record)}. Set --data.messages_column to the column "
                        "that holds the conversation.")
+    _check_messages(record[messages_column], messages_column)
     return render_messages(tokenizer, record[messages_column], chat_template=chat_template, tools=tools)
 
 
@@ -158,7 +206,9 @@ def render_row(tokenizer, row: dict, *, messages_column: str = "messages", where
         raise ValueError(f"{where} has no {messages_column!r} messages and no 'prompt' + 'completion' (its fields: "
                          f"{sorted(record)}). Fix: {column_flag} NAME of the column that holds the "
                          "conversations.") from None
-    except Exception as e:  # noqa: BLE001 - a template error, messages of the wrong shape, ...
+    except ValueError as e:         # a record of the wrong shape (`_check_messages`), a template refusal ...
+        raise ValueError(f"{where}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a template error
         raise ValueError(f"{where} cannot be rendered with the chat template: {type(e).__name__}: {e}") from None
 
 

@@ -78,10 +78,25 @@ def check_chat_columns(columns, messages_column: str, where: str) -> None:
                      "of the column that holds the conversations.")
 
 
-def _render_rows(tokenizer, seq_len: int, messages_column: str, source: str, batch: dict, indices) -> dict:
+def _render(rows, source: str, *, tokenizer, seq_len: int, messages_column: str, num_proc, offset: int = 0):
+    """(``rows`` rendered and fitted, their fingerprint): one ``datasets.map``, cached by datasets under a
+    fingerprint of the rows, the tokenizer, the template and the settings (the loader's identity of the data)."""
+    identity = "|".join((rows._fingerprint,   # datasets' cache key of the rows (no public accessor)
+                         _tokenizer_fingerprint(tokenizer), hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
+                         str(seq_len), messages_column, _PIPELINE_VERSION))
+    fingerprint = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    num_proc = num_proc if num_proc is not None and num_proc > 1 else None
+    rendered = rows.map(functools.partial(_render_rows, tokenizer, seq_len, messages_column, source, offset),
+                        batched=True, with_indices=True, remove_columns=rows.column_names,
+                        num_proc=num_proc and min(num_proc, len(rows)), new_fingerprint=fingerprint,
+                        desc="Rendering conversations")
+    return rendered, fingerprint
+
+
+def _render_rows(tokenizer, seq_len: int, messages_column: str, source: str, offset: int, batch: dict, indices) -> dict:
     out = {"input_ids": [], "labels": []}
     names = list(batch)
-    for row, values in zip(indices, zip(*(batch[n] for n in names))):
+    for row, values in zip((offset + i for i in indices), zip(*(batch[n] for n in names))):
         sample = render_row(tokenizer, dict(zip(names, values)), messages_column=messages_column,
                             where=f"record {row} of {source}")
         fitted = fit_sample(sample["input_ids"], sample["labels"], seq_len)
@@ -91,8 +106,9 @@ def _render_rows(tokenizer, seq_len: int, messages_column: str, source: str, bat
     return out
 
 
-def _records(dataset, *, name, split, messages_column, holdout_fraction):
-    """(a ``datasets.Dataset`` of chat records, a description of where they come from)."""
+def _records(dataset, *, name, split, messages_column, holdout_fraction, held_out=None):
+    """(a ``datasets.Dataset`` of chat records, a description of where they come from); ``held_out``
+    receives the held-out share carved from ``train`` (see `load_text_dataset`)."""
     import datasets
 
     if dataset is None or dataset == "default":
@@ -101,11 +117,14 @@ def _records(dataset, *, name, split, messages_column, holdout_fraction):
         if split not in ("train", "validation"):
             raise ValueError(f"unknown split {split!r} for the embedded chat corpus; available: train, validation")
         rows = datasets.Dataset.from_list(default_chat_records())
+        if holdout_fraction > 0 and held_out is not None and split == "train":
+            held_out.append(_carve(rows, "validation", holdout_fraction, "embedded chat corpus"))
         return (_carve(rows, split, holdout_fraction, "embedded chat corpus") if holdout_fraction > 0 else rows,
                 f"the embedded chat corpus (split {split!r})")
     from hyperacc.data.text import load_text_dataset
 
-    rows = load_text_dataset(dataset, name=name, split=split, text_column=None, holdout_fraction=holdout_fraction)
+    rows = load_text_dataset(dataset, name=name, split=split, text_column=None, holdout_fraction=holdout_fraction,
+                             held_out=held_out)
     check_chat_columns(rows.column_names, messages_column, f"dataset {dataset!r}")
     return rows, f"{dataset} (split {split!r})"
 
@@ -120,18 +139,14 @@ def build_chat_dataset(dataset, tokenizer, *, seq_len: int, split: str = "train"
         raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
     if dataset not in (None, "default") and is_megatron_spec(dataset):
         return _megatron_chat(os.fspath(dataset), seq_len, split, holdout_fraction)
+    held = []
     rows, source = _records(dataset, name=name, split=split, messages_column=messages_column,
-                            holdout_fraction=holdout_fraction)
-    identity = "|".join((rows._fingerprint,   # datasets' cache key of the rows (no public accessor)
-                         _tokenizer_fingerprint(tokenizer), hashlib.sha256(tokenizer.chat_template.encode()).hexdigest(),
-                         str(seq_len), messages_column, _PIPELINE_VERSION))
-    fingerprint = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    if num_proc is not None and num_proc <= 1:
-        num_proc = None
-    rendered = rows.map(functools.partial(_render_rows, tokenizer, seq_len, messages_column, source), batched=True,
-                        with_indices=True,
-                        remove_columns=rows.column_names, num_proc=num_proc and min(num_proc, len(rows)),
-                        new_fingerprint=fingerprint, desc="Rendering conversations")
+                            holdout_fraction=holdout_fraction, held_out=held)
+    render = functools.partial(_render, tokenizer=tokenizer, seq_len=seq_len, messages_column=messages_column,
+                               num_proc=num_proc)
+    rendered, fingerprint = render(rows, source)
+    for share in held:      # the held-out rows of the same records: refused if malformed, evaluation or not
+        render(share, source.replace(f"(split {split!r})", "(its held-out share)"), offset=len(rows))
     skipped = len(rows) - len(rendered)
     if len(rendered) == 0:
         raise ValueError(f"no conversation of {source} has an assistant token within seq_len={seq_len} tokens "

@@ -171,7 +171,7 @@ class _HubSplits:
 
 def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = None, split: str = "train",
                       text_column: Optional[str] = "text", holdout_fraction: float = DEFAULT_HOLDOUT_FRACTION,
-                      data_files=None):
+                      data_files=None, held_out: Optional[list] = None):
     """Load one split of a text dataset with ``datasets``.
 
     ``path``: a hub name (``name`` = its config), a local file or glob (json, jsonl, text, parquet,
@@ -179,6 +179,8 @@ def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = No
     ``datasets`` slicing syntax (``"train[:95%]"``). When the dataset has no ``validation`` split,
     ``"validation"`` is the last ``holdout_fraction`` of the ``train`` rows and ``"train"`` the rest
     (``holdout_fraction=0`` keeps all of ``train``). ``text_column=None`` checks no column (chat records).
+    ``held_out``: a list that receives that held-out share when ``split="train"`` is carved from it, so
+    that its rows are checked too (they are never trained on, and evaluation may be off).
     Returns a ``datasets.Dataset``.
     """
     import datasets
@@ -217,6 +219,8 @@ def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = No
         if (split in ("train", "validation") and "train" in available and "validation" not in available
                 and holdout_fraction > 0):
             ds = _carve(splits["train"], split, holdout_fraction, path)
+            if held_out is not None and split == "train":
+                held_out.append(_carve(splits["train"], "validation", holdout_fraction, path))
         elif split in available:
             ds = splits[split]
         else:
@@ -285,8 +289,11 @@ def build_text_dataset(path, tokenizer, seq_len: int, *, name: Optional[str] = N
                        text_column: str = "text", holdout_fraction: float = DEFAULT_HOLDOUT_FRACTION,
                        num_proc: Optional[int] = None, data_files=None) -> TokenWindows:
     """Load, tokenize (cached, ``num_proc``), concatenate and cut into ``seq_len`` samples."""
+    held = []
     ds = load_text_dataset(path, name=name, split=split, text_column=text_column,
-                           holdout_fraction=holdout_fraction, data_files=data_files)
+                           holdout_fraction=holdout_fraction, data_files=data_files, held_out=held)
+    for rows in held:       # the held-out rows of the same file: checked whether or not evaluation runs
+        check_texts(rows[text_column], len(ds), text_column, f"dataset {os.fspath(path)!r}")
     tokenized = tokenize_dataset(ds, tokenizer, text_column=text_column, num_proc=num_proc)
     tokens = flatten_tokens(tokenized, len(tokenizer))
     return TokenWindows(tokens, seq_len, source=f"dataset {os.fspath(path)!r} (split {split!r})")
