@@ -1,12 +1,12 @@
 """Fail closed, on every rank: faults planted the way a user would, on real 2-process launches.
 
   * bad paths / optimizer / parallel sizes, a tokenizer that does not exist: found before the
-    process group is used; rank 1's own output (torchrun --redirects, one file per rank) is the
-    same single `config error:` line as rank 0's, no traceback, no gloo "Connection closed";
-  * a dataset that only rank 0 reads (after the process group exists) and cannot: the same line on
-    both ranks;
+    process group is used; rank 0 prints one `config error:` line, and rank 1's own output (torchrun
+    --redirects, one file per rank) is quiet: no second copy, no traceback, no gloo "Connection closed"
+    (examples/exit_report.py: every rank fails alike, rank 0 speaks for them);
+  * a dataset that only rank 0 reads (after the process group exists) and cannot: the same;
   * a Megatron dataset whose token ids exceed the model's vocabulary: one clear error before the
-    first forward, naming the max id and the vocab size, on both ranks;
+    first forward, naming the max id and the vocab size;
   * SIGKILL of the launcher: the workers die with it and write nothing more;
   * a NaN loss in production mode: the job stops naming step and rank; LATEST stays at the last
     finite checkpoint.
@@ -46,9 +46,19 @@ def _torchrun_per_rank(args, tmp_path, timeout=240):
 def _one_error_line(text, prefix):
     lines = [line for line in text.splitlines() if line.startswith(prefix)]
     assert len(lines) == 1, text[-4000:]
+    _no_crash(text)
+    return lines[0]
+
+
+def _no_crash(text):
     for bad in ("Traceback", "Connection closed", "IndexError"):
         assert bad not in text, text[-4000:]
-    return lines[0]
+
+
+def _quiet(text, prefix):
+    """Rank 1's output when rank 0 printed the error for both: no line of its own, no crash."""
+    assert not [line for line in text.splitlines() if line.startswith(prefix)], text[-4000:]
+    _no_crash(text)
 
 
 def test_bad_paths_and_settings_one_line_on_every_rank(tmp_path):
@@ -65,8 +75,7 @@ def test_bad_paths_and_settings_one_line_on_every_rank(tmp_path):
     rc, per_rank = _torchrun_per_rank(args, tmp_path)
     assert rc != 0
     line0 = _one_error_line(per_rank[0], "config error:")
-    line1 = _one_error_line(per_rank[1], "config error:")
-    assert line0 == line1
+    _quiet(per_rank[1], "config error:")
     for needle in ("7 problems", "no_such_tokenizer", "missing.jsonl' not found", "--logging.metrics_file=",
                    "is a directory", "--logging.tensorboard_dir=", "exists and is not a directory",
                    f"'{a_file}' is a regular file", "Invalid learning rate: -1", "dp_shard=3",
@@ -115,7 +124,7 @@ def test_data_failure_on_rank_0_is_every_ranks_one_line(tmp_path):
     rc, per_rank = _torchrun_per_rank([f"--data.dataset={bad}"], tmp_path)
     assert rc != 0
     line0 = _one_error_line(per_rank[0], "config error:")
-    assert line0 == _one_error_line(per_rank[1], "config error:")
+    _quiet(per_rank[1], "config error:")
     assert "building the data failed on rank 0" in line0 and f"file '{bad}' is not valid UTF-8: line 51" in line0
 
 
@@ -130,7 +139,7 @@ def test_megatron_ids_beyond_the_vocab_stop_before_the_forward(tmp_path):
     rc, per_rank = _torchrun_per_rank([f"--data.dataset={prefix}", "--training.max_steps=2"], tmp_path)
     assert rc != 0
     line0 = _one_error_line(per_rank[0], "error:")
-    assert line0 == _one_error_line(per_rank[1], "error:")   # the same max id on both ranks
+    _quiet(per_rank[1], "error:")
     assert "the batch of step 1 holds token id 99" in line0 and "vocab_size is 512" in line0, line0
 
 
