@@ -23,7 +23,9 @@ As in memory_plan.py, glibc maps every block >= 64 KiB on its own (MALLOC_MMAP_T
 tensors leave RSS at once, and oneDNN's primitive cache is off. The save's own peak is measured the
 same way (reset before `save_state`). Ratios are printed last:
 LoRA peak / full peak (goal <= 0.6), LoRA peak / upcast-LoRA peak, adapter checkpoint / full
-checkpoint (goal <= 0.05).
+checkpoint (goal <= 0.05). The lora run then times the adapter export (`acc.save_model`: PEFT's own
+key choice, gathered one tensor at a time) against PEFT's own ``save_pretrained`` of the same
+adapters on an unsharded model in one process, in the same run: seconds and their ratio.
 
     python benchmarks/peft.py [--steps 3] [--layers 32] [--runs full lora upcast]
 Worker (what each launch runs):
@@ -55,6 +57,7 @@ MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_att
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0,
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 MICRO_BATCH, SEQ = 2, 128
+EXPORT_REPEATS = 3
 RUNS = {"full": "full fine-tuning", "lora": "LoRA, bf16 base kept bf16", "upcast": "LoRA, base upcast to fp32"}
 
 
@@ -152,6 +155,7 @@ def worker(out_path: str, run: str, steps: int, layers: int, ckpt_dir: str) -> N
     dist.barrier()
     ckpt_bytes = dir_bytes(saved) if acc.is_main_process else 0
 
+    exports = export_timing(acc, model, out_path + ".exports") if run == "lora" else None
     mine = {"phases": phases if meter.phases else None, "train_peak": train_peak, "save_peak": save_peak,
             "run_peak": max(train_peak, before_save + save_peak),
             "params_bytes": params_bytes, "trainable_bytes": trainable_bytes, "state_bytes": state_bytes,
@@ -165,8 +169,51 @@ def worker(out_path: str, run: str, steps: int, layers: int, ckpt_dir: str) -> N
             json.dump({"run": run, "ranks": gathered, "losses": losses, "ckpt_bytes": ckpt_bytes,
                        "save_seconds": save_seconds, "save_phases": save_phases, "total_params": total_params,
                        "trainable_params": trainable_params, "dtypes": dtypes, "method": meter.method,
-                       "files": sorted(os.listdir(saved))}, handle)
+                       "files": sorted(os.listdir(saved)), "exports": exports}, handle)
     acc.end_training()
+
+
+def export_timing(acc, model, folder: str, repeats: int = EXPORT_REPEATS) -> dict:
+    """Seconds (median of ``repeats``, each into a new directory) of the adapter export of the
+    sharded model (`acc.save_model`, both ranks: PEFT's own key choice, one gather per tensor, rank 0
+    writes), against PEFT's own ``save_pretrained`` of the same adapters on an unsharded copy of the
+    model in one process (rank 0; its frozen base stays on the meta device: PEFT writes none of it).
+    Measured after training and the checkpoint, so no memory figure above includes it."""
+    import peft
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from hyperacc.integrations.peft_export import adapter_state_dict
+
+    ours = []
+    for i in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        acc.save_model(model, os.path.join(folder, f"hyperacc-{i}"))
+        ours.append(time.perf_counter() - start)
+    state = adapter_state_dict(model)       # the trained adapters, full size, on every rank
+    theirs, keys = [], None
+    if dist.get_rank() == 0:
+        layers = model.get_base_model().config.num_hidden_layers
+        with torch.device("meta"):
+            base = AutoModelForCausalLM.from_config(Qwen3Config(**MODEL, num_hidden_layers=layers),
+                                                    dtype=torch.bfloat16, attn_implementation="eager")
+        plain = peft.get_peft_model(base, peft.LoraConfig(**LORA))
+        plain.load_state_dict(state, strict=False, assign=True)
+        for i in range(repeats):
+            start = time.perf_counter()
+            plain.save_pretrained(os.path.join(folder, f"peft-{i}"))
+            theirs.append(time.perf_counter() - start)
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(folder, "peft-0", "adapter_model.safetensors"), "pt") as a, \
+                safe_open(os.path.join(folder, "hyperacc-0", "adapter_model.safetensors"), "pt") as b:
+            keys = sorted(a.keys()) == sorted(b.keys())
+    dist.barrier()
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"hyperacc": statistics.median(ours), "peft": statistics.median(theirs) if theirs else None,
+            "same_keys": keys, "tensors": len(state), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
 
 
 def launch(run: str, args, out_dir: str) -> dict:
@@ -253,6 +300,12 @@ def main():
               f"included: {peak(lora, 'run_peak') / peak(full, 'run_peak'):.3f}")
         print(f"adapter checkpoint / full checkpoint: {lora['ckpt_bytes'] / full['ckpt_bytes']:.4f} (goal <= 0.05)")
         print(f"LoRA step time / full fine-tuning step time: {step_seconds(lora) / step_seconds(full):.3f}")
+    exports = results.get("lora", {}).get("exports")
+    if exports:
+        print(f"adapter export ({exports['tensors']} tensors, {mib(exports['bytes'])} MiB; median of "
+              f"{EXPORT_REPEATS}): hyperacc save_model of the sharded model (2 processes) {exports['hyperacc']:.3f} s, "
+              f"PEFT's save_pretrained of the unsharded model (1 process) {exports['peft']:.3f} s: ratio "
+              f"{exports['hyperacc'] / exports['peft']:.2f} (same keys: {exports['same_keys']})")
     if "lora" in results and "upcast" in results:
         lora, upcast = results["lora"], results["upcast"]
         print(f"LoRA peak / upcast-LoRA peak: {peak(lora) / peak(upcast):.3f}; whole run, save included: "
