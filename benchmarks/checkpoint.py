@@ -10,7 +10,10 @@ Measures (median of --repeats, fresh directories, sync unless stated):
   load_state / raw dcp.load   Checkpointer.load (files verified first) vs dcp.load + set_state_dict
   integrity on / off          the same Checkpointer save / load with integrity=False (no digests)
   async blocked / sync save   time the loop is blocked by an async save vs a sync save
-Ratios are printed last.
+  tied model (--tied-*)       a Qwen3 with tied embedding/head (Qwen3-0.6B's vocabulary and width, fewer
+                              layers): checkpoint bytes and save time of hyperacc's model bucket (the tied
+                              weight once) vs raw dcp.save(model.state_dict()) (both names, so twice)
+Ratios are printed last. ``--tied-only`` runs just the tied-model comparison.
 """
 import argparse
 import os
@@ -38,6 +41,11 @@ def main():
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--tied-vocab", type=int, default=151936, help="Qwen3-0.6B's vocabulary")
+    parser.add_argument("--tied-width", type=int, default=1024, help="Qwen3-0.6B's hidden size")
+    parser.add_argument("--tied-layers", type=int, default=2)
+    parser.add_argument("--tied-repeats", type=int, default=3)
+    parser.add_argument("--tied-only", action="store_true", help="only the tied-model comparison")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         relaunch(sys.argv[1:])
@@ -57,6 +65,10 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if args.tied_only:
+        tied_model(args, mesh)
+        dist.destroy_process_group()
+        return
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
     for layer in model:
@@ -158,7 +170,74 @@ def main():
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
+    tied_model(args, mesh)
     dist.destroy_process_group()
+
+
+def _bytes(path):
+    return sum(os.path.getsize(os.path.join(base, f)) for base, _, files in os.walk(path) for f in files)
+
+
+def tied_model(args, mesh):
+    """Checkpoint bytes and save time of a tied model: hyperacc's model bucket vs raw dcp.save(model.state_dict())."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from hyperacc.checkpoint import Checkpointer, TrainState
+    from hyperacc.config import CheckpointConfig
+
+    rank = dist.get_rank()
+    config = Qwen3Config(vocab_size=args.tied_vocab, hidden_size=args.tied_width, intermediate_size=3 * args.tied_width,
+                         num_hidden_layers=args.tied_layers, num_attention_heads=16, num_key_value_heads=8,
+                         head_dim=args.tied_width // 8, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert model.lm_head.weight is model.model.embed_tokens.weight, "the tie did not survive sharding"
+    params = sum(p.numel() for p in model.parameters())
+    box = [tempfile.mkdtemp(prefix="hyperacc_tied_bench_") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    root = box[0]
+    ckpt = Checkpointer(CheckpointConfig(checkpoint_dir=os.path.join(root, "managed"), save_optimizer=False,
+                                         save_train_state=False), device_type="cpu")
+    state = TrainState(models=[model], optimizers=[], schedulers=[], dp_size=dist.get_world_size())
+    times = {"raw": [], "hyperacc": []}
+    sizes = {}
+    for repeat in range(args.tied_repeats + 1):          # round 0 warms up
+        paths = {"raw": os.path.join(root, f"raw_{repeat}"), "hyperacc": os.path.join(root, f"hyperacc_{repeat}")}
+        jobs = [("raw", lambda: dcp.save(model.state_dict(), checkpoint_id=paths["raw"])),
+                ("hyperacc", lambda: ckpt.save(state, output_dir=paths["hyperacc"]))]
+        for key, fn in (jobs if repeat % 2 else jobs[::-1]):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            dist.barrier()
+            if repeat:
+                times[key].append(time.perf_counter() - start)
+        if rank == 0:
+            sizes = {key: _bytes(path) for key, path in paths.items()}
+            for path in paths.values():
+                shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"tied model: Qwen3 vocab {args.tied_vocab} x width {args.tied_width}, {args.tied_layers} layers, "
+              f"{params / 1e6:.1f} M parameters (fp32, the tied embedding/head {args.tied_vocab * args.tied_width / 1e6:.1f} M)"
+              f", 2 ranks, {args.tied_repeats} repeats after 1 warm-up")
+        for key in ("raw", "hyperacc"):
+            print(f"  {key:9s} {sizes[key] / 2**20:9.1f} MiB   save {med[key] * 1000:8.1f} ms   "
+                  f"(all: {[round(x * 1000, 1) for x in times[key]]})")
+        print(f"ratio tied checkpoint bytes hyperacc / raw dcp.save(model.state_dict()) : "
+              f"{sizes['hyperacc'] / sizes['raw']:.3f}")
+        print(f"ratio tied save time hyperacc / raw dcp.save(model.state_dict())        : "
+              f"{med['hyperacc'] / med['raw']:.3f}")
+        shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -153,10 +153,10 @@ def test_fail_closed_on_two_processes(tmp_path):
     run_torchrun(REPO / "tests" / "scripts" / "ckpt_failclosed.py", 2, [tmp_path / "f", tmp_path / "ck"],
                  timeout=180)
     r0, r1 = _records(tmp_path / "f", 2)
-    # only rank 1 read the planted pickle: it refuses it, rank 0 raises too instead of waiting
+    # only rank 1 read the planted pickle: it refuses it, rank 0 raises too (the same class) instead of waiting
     unsafe0, unsafe1 = r0.pop("unsafe_rank1_file"), r1.pop("unsafe_rank1_file")
     assert unsafe1[0] == "UnsafeCheckpointError"
-    assert unsafe0[0] == "RuntimeError" and "rank 1 failed" in unsafe0[1]
+    assert unsafe0[0] == "UnsafeCheckpointError" and "rank 1 failed" in unsafe0[1]
     assert not r0["pwned"] and not r1["pwned"]
     assert r0 == r1
     assert r0["async_save"] == ["ok", "global_step_2"]

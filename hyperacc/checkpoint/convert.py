@@ -127,7 +127,11 @@ def to_hf(checkpoint: str, output: str, *, config_from: Optional[str] = None, ov
 
     tensors = export_tensors(model)
     arch = type(model).__name__
+    # a run stores a tied weight once (its sentinel names the ties): a config without the tie reads it twice
+    tied = ((storage.read_sentinel(checkpoint) or {}).get("tied") or [{}])[0]
+    source = {name: name if name in saved else tied.get(name, name) for name, _ in tensors}
     for name, tensor in tensors:
+        name = source[name]
         if name not in saved:
             raise ConvertError(f"{checkpoint}: key {name!r} of {arch} is missing from the checkpoint: it holds "
                                "another architecture than this config (pass --config-from the right HF_DIR).")
@@ -138,7 +142,7 @@ def to_hf(checkpoint: str, output: str, *, config_from: Optional[str] = None, ov
     extra = [k for k in saved if k not in known]
     if extra:
         raise ConvertError(f"{checkpoint}: key {extra[0]!r} matches no parameter of {arch} (another architecture?).")
-    tensors = [(n, torch.empty(t.shape, dtype=saved[n].properties.dtype, device="meta")) for n, t in tensors]
+    tensors = [(n, torch.empty(t.shape, dtype=saved[source[n]].properties.dtype, device="meta")) for n, t in tensors]
     files = plan_files(entry_groups(tensors), 1, max_shard_bytes)
     tmp = _output_dir(output, overwrite)
     writer = RankWriter(tmp, files, 0)
@@ -146,7 +150,7 @@ def to_hf(checkpoint: str, output: str, *, config_from: Optional[str] = None, ov
         full = torch.empty(meta.shape, dtype=meta.dtype)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            storage.dcp_load({prefix + name: full}, checkpoint, no_dist=True)
+            storage.dcp_load({prefix + source[name]: full}, checkpoint, no_dist=True)
         for piece in layout.export_pieces(name, tuple(full.shape)):
             writer.write(piece.key, piece_of(full, piece))
         del full
@@ -182,9 +186,9 @@ def from_hf(model_dir: str, output: str, *, dtype=None, overwrite: bool = False,
     except WeightsError as err:
         raise ConvertError(str(err)) from None
     prefix = buckets.model_key(0) + "."
-    state = {prefix + name: tensor for name, tensor in model.state_dict().items() if name in pieces or
-             layout.aliases(model).get(name) in pieces}
-    owner = {prefix + name: layout.aliases(model).get(name, name) for name in model.state_dict()}
+    tied = layout.aliases(model)        # a tied weight once, under its kept name, as a run's save stores it
+    state = {prefix + name: tensor for name, tensor in model.state_dict().items() if name in pieces and name not in tied}
+    owner = {prefix + name: name for name in model.state_dict()}
 
     def produce(fqn: str) -> torch.Tensor:
         name = owner[fqn]
@@ -200,7 +204,7 @@ def from_hf(model_dir: str, output: str, *, dtype=None, overwrite: bool = False,
     digest = storage.write_sentinel(tmp, {
         "integrity": integrity.ALGORITHM, "global_step": 0, "epoch": 0, "train_state": "none", "rng": "not_saved",
         "models": 1, "optimizers": 0, "schedulers": 0, "world_size": 1, "dp_size": 1, "peft": False, "seed": 0,
-        "contents": MODEL_ONLY, "source": files.directory})
+        "contents": MODEL_ONLY, "source": files.directory, "tied": [tied]})
     writer = integrity.IntegrityWriter(tmp, extra_files={storage.SENTINEL_FILE: digest}, thread_count=1)
     with tqdm(total=len(state), desc="from-hf", unit="tensor", disable=not progress) as bar:
         with warnings.catch_warnings():
