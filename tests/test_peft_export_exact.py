@@ -217,6 +217,36 @@ def test_a_trained_tensor_peft_does_not_keep_is_refused_before_anything_is_writt
     assert not (tmp_path / "adapter").exists()
 
 
+def test_prompt_learning_is_refused_before_peft_runs_its_prompt_encoder(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hyperacc.integrations.peft import export_adapter
+
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_config(qwen2_config(128)), config)
+    with pytest.raises(NotImplementedError, match="prompt-learning adapters .* Fix:"):
+        export_adapter(model, str(tmp_path / "adapter"))
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_named_adapters_are_exported_each_as_peft_saves_them(tmp_path):
+    """No "default" adapter: PEFT writes one sub-directory per adapter, each with its own choice."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hyperacc.integrations.peft import export_adapter
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_config(qwen2_config(128)),
+                                peft.LoraConfig(r=2, target_modules=["q_proj"], bias="all"), adapter_name="one")
+    model.add_adapter("two", peft.LoraConfig(r=2, target_modules=["v_proj"]))
+    export_adapter(model, str(tmp_path / "out"))
+    one = load_file(str(tmp_path / "out" / "one" / "adapter_model.safetensors"))
+    two = load_file(str(tmp_path / "out" / "two" / "adapter_model.safetensors"))
+    assert any(k.endswith("q_proj.base_layer.bias") for k in one) and not any(k.endswith("bias") for k in two)
+    assert all("v_proj.lora_" in k for k in two)
+
+
 def test_full_export_carries_tokenizer_generation_config_ids_and_own_use_cache(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -245,3 +275,28 @@ def test_own_use_cache_reads_the_pretrained_config(tmp_path):
     config._name_or_path = ""
     exported = export_config(config, tokenizer=tokenizer())
     assert exported.use_cache is True and exported.eos_token_id == 7 and exported.pad_token_id == 0
+
+
+# --------------------------------------------------------------------------- the example (2 processes)
+@pytest.mark.slow   # one more launch: the library path above is the default run's
+def test_example_merged_export_loads_with_autotokenizer_and_generates(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from dist_utils import run_accelerate
+
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    run_accelerate(REPO / "examples" / "train_qwen.py", REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml",
+                   ["--logging.progress_bar=false", "--eval.eval_steps=0", "--peft.method=lora",
+                    "--training.max_steps=2", "--checkpoint.save_ckpt=false",
+                    f"--checkpoint.checkpoint_dir={tmp_path / 'ckpt'}", f"--peft.export_dir={adapter}",
+                    f"--peft.merged_export_dir={merged}"], timeout=400)
+    tok = AutoTokenizer.from_pretrained(str(merged))
+    model = AutoModelForCausalLM.from_pretrained(str(merged)).eval()
+    assert model.config.eos_token_id == tok.eos_token_id and model.config.pad_token_id == tok.pad_token_id
+    assert model.config.use_cache is True               # the example trains with use_cache=False
+    assert GenerationConfig.from_pretrained(str(merged)).eos_token_id == tok.eos_token_id
+    prompt = tok("the quick brown fox", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    assert out.shape[1] == prompt["input_ids"].shape[1] + 4
+    assert len(AutoTokenizer.from_pretrained(str(adapter))) == len(tok)      # the adapter's tokenizer too

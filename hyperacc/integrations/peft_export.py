@@ -99,7 +99,8 @@ def export_adapter(model: nn.Module, out_dir: str, *, group=None, into_existing:
         for adapter, file_keys in files.items():
             folder = target.tmp if adapter == "default" else os.path.join(target.tmp, adapter)
             _check_written(os.path.join(folder, ADAPTER_WEIGHTS_FILE), set(file_keys))
-        _mark_adapter_file(os.path.join(target.tmp, ADAPTER_WEIGHTS_FILE), target.mark)
+        if os.path.exists(os.path.join(target.tmp, ADAPTER_WEIGHTS_FILE)):     # absent: no "default" adapter
+            _mark_adapter_file(os.path.join(target.tmp, ADAPTER_WEIGHTS_FILE), target.mark)
         published = publish.publish(target.tmp, out_dir, target.mark, "adapter")
         save_tokenizer(tokenizer, out_dir)
         return published

@@ -42,6 +42,16 @@ def saved_keys(model: nn.Module, adapter: str, *, save_embedding_layers="auto",
     Raises NotImplementedError when PEFT computes a saved value instead of taking a model tensor."""
     from peft.utils import get_peft_model_state_dict
 
+    config = model.peft_config[adapter]
+    kind = getattr(config.peft_type, "value", config.peft_type)
+    if getattr(config, "is_prompt_learning", False):
+        # PEFT saves prompt embeddings it computes by running the prompt encoder (on sharded weights:
+        # a collective on the one rank that saves): refused before PEFT's function runs at all.
+        raise NotImplementedError(
+            f"adapter {adapter!r} ({kind}): PEFT saves prompt-learning adapters as prompt embeddings it computes "
+            "while saving, not as stored model tensors, and hyperacc's sharded export writes stored tensors only. "
+            "Fix: a LoRA-family adapter (LoraConfig, LoHa, LoKr), or train the prompt adapter without hyperacc's "
+            "sharding.")
     stand_ins = placeholders(model) if stand_ins is None else stand_ins
     source = {id(t): key for key, t in stand_ins.items()}
     chosen = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=adapter,
@@ -49,8 +59,6 @@ def saved_keys(model: nn.Module, adapter: str, *, save_embedding_layers="auto",
     out = {}
     for file_key, value in chosen.items():
         if id(value) not in source:
-            config = model.peft_config[adapter]
-            kind = getattr(config.peft_type, "value", config.peft_type)
             raise NotImplementedError(
                 f"adapter {adapter!r} ({kind}): PEFT computes the saved tensor {file_key!r} while saving instead of "
                 "storing a model tensor, and hyperacc's sharded export writes stored tensors only (it cannot "
