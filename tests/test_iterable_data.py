@@ -197,3 +197,17 @@ def test_sft_trainer_resumes_a_stream_exactly(sft, k):
     full, resumed = sft["hyperacc"], sft["resumed"][k]
     fresh = [s for s in full if int(s) > int(k)]
     assert fresh and all(resumed[s] == full[s] for s in fresh), (k, {s: (full[s], resumed.get(s)) for s in fresh})
+
+
+@pytest.mark.slow
+def test_sft_trainer_on_a_stream_on_two_processes_matches_one_and_resumes(sft, tmp_path, hyperacc_cache):
+    """2 processes x per-device 1 (accelerate's dispatcher: rank 0 reads, each rank gets one row) against
+    the 1-process run's per-device 2: the same rows per step; measured <= 1e-7 apart, resume bitwise."""
+    run_torchrun(SCRIPTS / "stream_trainer_run.py", 2, ["--out", tmp_path, "--no-plain", "--per-device", 1,
+                                                        "--resume-steps", 4],
+                 env={"HYPERACC_CACHE": hyperacc_cache}, timeout=600)
+    two = _result(tmp_path)
+    one = sft["hyperacc"]
+    assert sorted(two["hyperacc"], key=int) == sorted(one, key=int)
+    assert _max_rel([two["hyperacc"][s][0] for s in one], [one[s][0] for s in one]) <= REL
+    assert all(two["resumed"]["4"][s] == two["hyperacc"][s] for s in two["hyperacc"] if int(s) > 4)

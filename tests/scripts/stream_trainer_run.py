@@ -56,9 +56,7 @@ def run(a, data: str, engine: str, out: str, save_steps: int, resume=None) -> di
     trainer = SFTTrainer(model=model, args=config, train_dataset=stream, processing_class=tokenizer)
     trainer.train(resume_from_checkpoint=resume)
     steps = {str(e["step"]): [e["loss"], e["epoch"]] for e in trainer.state.log_history if "loss" in e}
-    if engine == "hyperacc":
-        trainer.end()             # as `Trainer` does at the end of `train` on accelerate: the process group goes
-    del trainer, model
+    del trainer, model            # the process group stays for the next run (re-creating one under torchrun hangs)
     reset_accelerate_state()
     return steps
 
@@ -86,6 +84,9 @@ def main():
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(os.path.join(a.out, "result.json"), "w") as handle:
             json.dump(result, handle)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
