@@ -14,7 +14,6 @@ Where the files go, and how a save replaces hyperacc's own earlier export: `hype
 from __future__ import annotations
 
 import builtins
-import copy
 import dataclasses
 import os
 from typing import Callable, List, Optional, Tuple
