@@ -60,6 +60,8 @@ def policy(work, out):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
         model, opt, loader = acc.prepare(model, opt, loader)
+        if not acc.project_configuration.automatic_checkpoint_naming:
+            acc.load_state()        # CheckpointConfig.restore_from: None does nothing; LATEST finds nothing
         saved = []
         for _ in range(2):
             for (x,) in loader:
