@@ -28,8 +28,8 @@ _REFUSED = {
     "auto_find_batch_size": "it re-runs the training loop with a smaller batch after an out-of-memory error, "
                             "preparing the model a second time; hyperacc shards a model once. Set the batch size "
                             "(hyperacc's plan report / `make rehearse` tells what fits).",
-    "ignore_data_skip": "hyperacc restores the data position from the checkpoint itself (no batches are skipped), "
-                        "so there is nothing to ignore. Drop ignore_data_skip (or start a new run without "
+    "ignore_data_skip": "hyperacc restores the data position from the checkpoint itself (by index; a stream, which "
+                        "has none, is replayed to it), so there is nothing to ignore. Drop ignore_data_skip (or start a new run without "
                         "resume_from_checkpoint to restart the data order).",
 }
 
