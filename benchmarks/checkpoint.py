@@ -28,8 +28,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def relaunch(argv):
+    sys.path.insert(0, REPO)
+    from hyperacc.launch_env import free_port
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           "--master_port=29533", os.path.abspath(__file__), *argv]
+           f"--master_port={free_port()}", os.path.abspath(__file__), *argv]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     env.setdefault("OMP_NUM_THREADS", "1")
     sys.exit(subprocess.call(cmd, env=env))
