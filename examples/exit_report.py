@@ -38,7 +38,7 @@ def _flag(name: str, value) -> str:
         return f"--{name}"
     if value[:1] in "'\"":
         value = value[1:-1]
-    return f"--{name}={'null' if value == 'None' else value}"
+    return f"--{name}={ {'None': 'null', 'True': 'true', 'False': 'false'}.get(value, value)}"
 
 
 def as_flags(text: str) -> str:

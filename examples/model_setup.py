@@ -1,3 +1,13 @@
+"""The model of examples/train_qwen.py: its transformers config (preset or pretrained, with the run's
+overrides) and the model itself, on the meta device or from pretrained weights, with LoRA when asked.
+
+Apart from the loop because preflight (`preflight_checks.py`: the PEFT targets, the memory plan, a
+resume's model shapes) builds the same config and model on the meta device as training does.
+"""
+from hyperacc.cli_config import ConfigError
+from lora_setup import apply_peft, base_dtype
+
+
 def model_config(cfg, vocab_size=None):
     """The transformers config: the preset (or the pretrained config) + overrides, no KV cache."""
     from hyperacc.models import qwen3_moe_config
