@@ -2,7 +2,8 @@
 or only the model on the meta device (`check_peft_targets`).
 
 Each raises one ConfigError naming the problem and the fix; train_qwen.py runs them on every rank
-before anything is built (`load_config`, `preflight`), so every rank prints the same line.
+before anything is built (`load_config`, `preflight_checks.preflight`), so every rank raises the same
+error (rank 0 prints it: `exit_report.py`). What a resume may change: `resume_checks.py`.
 """
 import os
 

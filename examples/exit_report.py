@@ -9,8 +9,8 @@ is *not* stopped within ``LINGER_S`` (its error was its own, e.g. a path another
 a launcher that does not stop the others) prints its line then: an error is never lost.
 
 Flag names: hyperacc's errors name its API (``CheckpointConfig.restore_from='LATEST'``,
-``load_state('LATEST')``, ``MicroBatchDataLoader.resume_mismatch='restart'``), which a user of the
-example sets as flags; `as_flags` rewrites those names mechanically, so the fix printed is one that
+``load_state('LATEST')``, ``MicroBatchDataLoader.resume_mismatch='restart'``,
+``hyperacc.models.load_pretrained(DIR)``), which a user of the example sets as flags; `as_flags` rewrites those names mechanically, so the fix printed is one that
 works on the command line the user typed.
 """
 import os
@@ -29,8 +29,10 @@ LOADER_FLAGS = {"resume_mismatch": "data.resume_mismatch", "shuffle": "data.shuf
                 "seed": "training.seed"}
 _VALUE = r"""(?:=('[^']*'|"[^"]*"|[^\s,;)]+))?"""
 _FIELD = re.compile(r"\b(CheckpointConfig|FSDPConfig|ParallelConfig|MicroBatchDataLoader)\.(\w+)" + _VALUE)
-_LOAD_STATE = re.compile(r"""\bload_state\(('[^']*'|"[^"]*")\)""")
-_REPEAT = re.compile(r"(--[\w.]+(?:=\S+)?) \(\1\)")      # "X (X)" once both names became the flag
+_LOAD_STATE = re.compile(r"""(?<![.\w])load_state\(('[^']*'|"[^"]*")\)""")    # hyperacc's, not accelerator.load_state
+_PRETRAINED = re.compile(r"""\bhyperacc\.models\.load_pretrained\(('[^']*'|"[^"]*"|\w+)\)""")
+_REPEATS = ((re.compile(r"(--[\w.]+(?:=[^\s,;)]+)?) \(\1\)"), r"\1"),       # "X (X)" once both became the flag
+            (re.compile(r"\((--[\w.]+(?:=[^\s,;)]+)?), or \1\)"), r"(\1)"))   # "(X, or X)"
 
 
 def _flag(name: str, value) -> str:
@@ -56,7 +58,10 @@ def as_flags(text: str) -> str:
 
     text = _FIELD.sub(field, text)
     text = _LOAD_STATE.sub(lambda m: _flag("checkpoint.restore_from", m.group(1)), text)
-    return _REPEAT.sub(r"\1", text)
+    text = _PRETRAINED.sub(lambda m: _flag("model.name_or_path", m.group(1)), text)
+    for repeat, once in _REPEATS:
+        text = repeat.sub(once, text)
+    return text
 
 
 def rank() -> int:

@@ -32,7 +32,7 @@ def check_checkpoint_start(cfg):
     ck = cfg.checkpoint
     try:
         source = check_start(ck.checkpoint_dir, ck.restore_from, ck.save_ckpt)
-    except (FileNotFoundError, RuntimeError) as err:
+    except (OSError, RuntimeError, ValueError) as err:   # no such checkpoint, a file, another tool's, in use
         raise ConfigError(f"checkpoint: {as_flags(str(err))}") from None
     if source is not None:
         check_resume_schedule(cfg, source)

@@ -9,6 +9,9 @@
 
 Usage: train_qwen.py [CONFIG.yaml] [--section.field=value ...]   (--help lists every field)
 Without a YAML it trains the embedded default: a tiny Qwen3-MoE on the offline corpus/tokenizer.
+A bad setting -- including a resume whose data, schedule, fine-tuning setup or model differ from the
+checkpoint's (--data.resume_mismatch=restart accepts other data) -- stops before anything is built:
+one `config error:` line, exit 2.
 The library does the hard parts (sharding, exact accumulation, checkpoints, metrics); the loop
 below is all there is to the training itself.
 """

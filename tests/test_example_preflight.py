@@ -279,3 +279,24 @@ def test_library_names_become_the_example_flags():
     assert as_flags(text) == ("checkpoint_dir /c already holds checkpoints of another run. Fix: resume that run with "
                               "--checkpoint.restore_from=LATEST, or use another --checkpoint.checkpoint_dir. Or "
                               "--data.resume_mismatch=restart; --fsdp.compile_backend=aot_eager, --parallel.tp_size=1.")
+    assert as_flags("Fix: resume that run (CheckpointConfig.restore_from='LATEST', or load_state('LATEST')).") == \
+        "Fix: resume that run (--checkpoint.restore_from=LATEST)."
+    # accelerate's own method is what it is; hyperacc's loader of weights is the example's model flag
+    assert as_flags("accelerator.load_state('/x'), then hyperacc.models.load_pretrained(DIR).") == \
+        "accelerator.load_state('/x'), then --model.name_or_path=DIR."
+    assert as_flags("FSDPConfig.compile=True; CheckpointConfig.restore_from=None.") == \
+        "--fsdp.compile=true; --checkpoint.restore_from=null."
+
+
+def test_restore_from_a_file_or_another_tools_checkpoint_is_one_line(example, tmp_path):
+    a_file = tmp_path / "trainer_state.json"
+    a_file.write_text("{}")
+    cfg, world = example.load_config([f"--checkpoint.restore_from={a_file}"])
+    with pytest.raises(example.ConfigError, match="is a file, not a checkpoint: pass the global_step_<N> directory"):
+        example.preflight(cfg, world)             # was a NotADirectoryError traceback
+    accelerate_ckpt = tmp_path / "acc"
+    accelerate_ckpt.mkdir()
+    for name in ("model.safetensors", "optimizer.bin"):
+        (accelerate_ckpt / name).write_bytes(b"")
+    message = config_error(example, [f"--checkpoint.restore_from={accelerate_ckpt}"], preflight=True)
+    assert "accelerate" in message and "--model.name_or_path=DIR" in message, message
