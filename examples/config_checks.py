@@ -36,6 +36,27 @@ def check_paths(cfg, config_path):
                    ("--peft.export_dir", cfg.peft.export_dir), ("--peft.merged_export_dir", cfg.peft.merged_export_dir)]
     check_paths_apart(outputs, inputs, output_dirs=[("--checkpoint.checkpoint_dir", ck.checkpoint_dir)],
                       reserved=CHECKPOINT_DIR_FILES)
+    if ck.save_ckpt and not t.dry_run:
+        check_config_not_run_config(config_path, ck.checkpoint_dir)
+
+
+def check_config_not_run_config(config_path, checkpoint_dir):
+    """A run that saves writes its resolved config to ``<checkpoint_dir>/config.yaml``: a config file of
+    that name there, in a directory holding no checkpoint yet, is the user's own and would be replaced.
+    (Beside checkpoints it is the config an earlier run saved, which a resume's accepted config replaces.)"""
+    import glob
+
+    from hyperacc.checkpoint.containment import RUN_CONFIG_FILE
+
+    saved = os.path.join(os.path.expanduser(checkpoint_dir or ""), RUN_CONFIG_FILE)
+    if not (config_path and checkpoint_dir and os.path.isfile(saved) and os.path.samefile(config_path, saved)):
+        return
+    if glob.glob(os.path.join(os.path.expanduser(checkpoint_dir), "global_step_*")):
+        return
+    raise ConfigError(f"the config file {config_path!r} is --checkpoint.checkpoint_dir={checkpoint_dir}'s "
+                      f"{RUN_CONFIG_FILE}, where the run saves its own resolved config: it would be overwritten. Fix: "
+                      "keep the config file outside the checkpoint directory, or choose another "
+                      "--checkpoint.checkpoint_dir.")
 
 
 def check_model_dtype(cfg):
@@ -141,11 +162,17 @@ SWITCHES = (
       "checkpoint.save_extra_state_per_rank"), "--checkpoint.save_ckpt=true"),
     ("checkpoint.restore_from", lambda c: c.checkpoint.restore_from is not None,
      ("checkpoint.restore_optimizer", "checkpoint.restore_train_state"), "--checkpoint.restore_from=LATEST"),
-    ("eval.eval_steps", lambda c: c.eval.eval_steps > 0, ("eval.eval_batches", "eval.eval_batch_size"),
-     "--eval.eval_steps=N"),
+    ("eval.eval_steps", lambda c: c.eval.eval_steps > 0, ("eval.eval_batches", "eval.eval_batch_size",
+                                                           "data.eval_split"), "--eval.eval_steps=N"),
     ("lr_scheduler.decay", lambda c: c.lr_scheduler.decay != "constant", ("lr_scheduler.min_lr_ratio",),
      "--lr_scheduler.decay=cosine"),
     ("data.format", lambda c: c.data.format == "chat", ("data.messages_column",), "--data.format=chat"),
+    # The embedded corpora (data.dataset null) have no config name nor columns to choose.
+    ("data.dataset", lambda c: c.data.dataset not in (None, "default"), ("data.name", "data.text_column",
+                                                                         "data.messages_column"),
+     "--data.dataset=<a hub id or local path>"),
+    ("training.dry_run", lambda c: c.training.dry_run, ("training.dry_run_world_size", "training.dry_run_report"),
+     "--training.dry_run=true"),
     ("data.format", lambda c: c.data.format == "text", ("data.text_column",), "--data.format=text"),
 )
 
@@ -154,7 +181,11 @@ def check_switches(cfg, given):
     """An option given (YAML or flag; ``given`` from `hyperacc.cli_config.given_keys`) while the switch
     that gives it a meaning is off would be ignored silently: refused, as ``--peft.*`` with
     ``peft.method=none`` is. Not when the switch was turned off after the option was given (a flag
-    disabling what the YAML file configures)."""
+    disabling what the YAML file configures), nor when the option holds its default value (it asks for
+    nothing: e.g. a run's saved ``config.yaml``, which lists every field, used as the config file)."""
+    from config_schema import TrainConfig
+
+    defaults = TrainConfig()
     for switch, on, options, fix in SWITCHES:
         if on(cfg):
             continue
@@ -162,6 +193,8 @@ def check_switches(cfg, given):
             if option in given and given[option] >= given.get(switch, 0):
                 section, name = option.split(".")
                 value = getattr(getattr(cfg, section), name)
+                if value == getattr(getattr(defaults, section), name):
+                    continue
                 state = getattr(getattr(cfg, switch.split(".")[0]), switch.split(".")[1])
                 raise ConfigError(f"{option}={_shown(value)} is set but {switch}={_shown(state)} does not use it (it "
                                   f"would be ignored). Fix: {fix} to use it, or drop {option}.")
@@ -200,6 +233,7 @@ def check_transformers_for_tp_ep(cfg):
 def check_parallel(cfg, world_size):
     """The parallel sizes (YAML/CLI, else the launch environment) against the world size."""
     from hyperacc.mesh import check_supported
+    from exit_report import as_flags
     from hyperacc.parallel.context import PACKED_ROWS
     try:
         resolved = cfg.parallel.resolved(world_size)
@@ -207,7 +241,7 @@ def check_parallel(cfg, world_size):
     except (ValueError, NotImplementedError) as err:
         raise ConfigError(f"parallel sizes for {world_size} process(es): {err}") from None
     if cfg.data.packing and resolved.cp_size > 1:
-        raise ConfigError(f"data.packing=true with parallel.cp_size={resolved.cp_size}: {PACKED_ROWS}")
+        raise ConfigError(f"data.packing=true with parallel.cp_size={resolved.cp_size}: {as_flags(PACKED_ROWS)}")
 
 
 def check_compile(cfg):

@@ -10,7 +10,8 @@ a launcher that does not stop the others) prints its line then: an error is neve
 
 Flag names: hyperacc's errors name its API (``CheckpointConfig.restore_from='LATEST'``,
 ``load_state('LATEST')``, ``MicroBatchDataLoader.resume_mismatch='restart'``,
-``hyperacc.models.load_pretrained(DIR)``), which a user of the example sets as flags; `as_flags` rewrites those names mechanically, so the fix printed is one that
+``hyperacc.models.load_pretrained(DIR)``, hyperacc.data's ``chat_template='chatml'`` /
+``messages_column=NAME`` / ``seq_len`` keywords), which a user of the example sets as flags; `as_flags` rewrites those names mechanically, so the fix printed is one that
 works on the command line the user typed.
 """
 import os
@@ -30,6 +31,10 @@ LOADER_FLAGS = {"resume_mismatch": "data.resume_mismatch", "shuffle": "data.shuf
 _VALUE = r"""(?:=('[^']*'|"[^"]*"|[^\s,;)]+))?"""
 _FIELD = re.compile(r"\b(CheckpointConfig|FSDPConfig|ParallelConfig|MicroBatchDataLoader)\.(\w+)" + _VALUE)
 _LOAD_STATE = re.compile(r"""(?<![.\w])load_state\(('[^']*'|"[^"]*")\)""")    # hyperacc's, not accelerator.load_state
+# hyperacc.data's keyword arguments (build_chat_dataset, prepare_chat_tokenizer, chat_collate) -> --data.* flags.
+_DATA_KEYWORD = re.compile(r"(?<![\w.\-])(chat_template|messages_column|seq_len)=('[^']*'|\"[^\"]*\"|[^\s,;)]+)")
+_DATA_CALLS = ((re.compile(r"chat_collate\(tokenizer, packing=False\)"), "--data.packing=false"),
+               (re.compile(r"\(build_text_dataset\)"), "(--data.format=text)"))
 _PRETRAINED = re.compile(r"""\bhyperacc\.models\.load_pretrained\(('[^']*'|"[^"]*"|\w+)\)""")
 _REPEATS = ((re.compile(r"(--[\w.]+(?:=[^\s,;)]+)?) \(\1\)"), r"\1"),       # "X (X)" once both became the flag
             (re.compile(r"\((--[\w.]+(?:=[^\s,;)]+)?), or \1\)"), r"(\1)"))   # "(X, or X)"
@@ -59,6 +64,9 @@ def as_flags(text: str) -> str:
     text = _FIELD.sub(field, text)
     text = _LOAD_STATE.sub(lambda m: _flag("checkpoint.restore_from", m.group(1)), text)
     text = _PRETRAINED.sub(lambda m: _flag("model.name_or_path", m.group(1)), text)
+    for call, flag in _DATA_CALLS:
+        text = call.sub(flag, text)
+    text = _DATA_KEYWORD.sub(lambda m: _flag(f"data.{m.group(1)}", m.group(2)), text)
     for repeat, once in _REPEATS:
         text = repeat.sub(once, text)
     return text

@@ -88,8 +88,8 @@ def _check_ids(hi: int, lo: int, vocab_size: Optional[int], step: Optional[int])
     if vocab_size is not None and hi >= vocab_size:
         raise TokenIdError(f"{where} holds token id {hi} but the model's vocab_size is {vocab_size} "
                            f"(ids must be < {vocab_size}): the data was tokenized with another, larger vocabulary. "
-                           f"Fix: convert the data with the model's tokenizer (data.tokenizer), or set "
-                           f"--model.overrides.vocab_size={hi + 1} or more.")
+                           f"Fix: convert the data with the model's tokenizer, or build the model with "
+                           f"config.vocab_size={hi + 1} or more.")
     if lo < 0:
         raise TokenIdError(f"{where} holds a negative token id ({lo}). Fix: check the dataset.")
 

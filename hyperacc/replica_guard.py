@@ -153,7 +153,7 @@ class ReplicaGuard:
                         "hold the same slice of it and must hold identical copies. The job stops before it trains "
                         "or saves on diverged copies. Fix: find what differs between the ranks (a rank-dependent "
                         "random stream, a non-deterministic kernel, faulty hardware on one node); resume from the "
-                        "last checkpoint (load_state('LATEST'); the example: --checkpoint.restore_from=LATEST).")
+                        "last checkpoint (load_state('LATEST')).")
         return None
 
 

@@ -29,8 +29,8 @@ from hyperacc.runtime import collective_float_dtype
 
 __all__ = ["StepChecks", "NonFiniteError", "DisagreementError"]
 
-_FIX = (" Nothing from that step on was saved (LATEST is the last finite checkpoint). Fix: lower optimizer.lr "
-        "or enable training.gradient_clipping, check the data; resume with --checkpoint.restore_from=LATEST.")
+_FIX = (" Nothing from that step on was saved (LATEST is the last finite checkpoint). Fix: a lower learning rate "
+        "or gradient clipping (Accelerator.clip_grad_norm_), check the data; resume with load_state('LATEST').")
 
 
 class NonFiniteError(FloatingPointError):

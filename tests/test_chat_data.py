@@ -81,7 +81,7 @@ def test_a_template_without_generation_blocks_is_refused(tokenizer):
 
 
 def test_a_record_without_the_messages_column_names_the_option(tokenizer):
-    with pytest.raises(KeyError, match="--data.messages_column"):
+    with pytest.raises(KeyError, match="messages_column=NAME"):
         render_record(tokenizer, {"conversation": CONVERSATIONS[0]["messages"]})
     sample = render_record(tokenizer, {"conversation": CONVERSATIONS[0]["messages"]}, messages_column="conversation")
     assert sample == render_record(tokenizer, CONVERSATIONS[0])

@@ -171,7 +171,7 @@ def test_records_without_the_column_are_named(chat_tokenizer, tmp_path):
 
     path = tmp_path / "conv.jsonl"
     path.write_text("".join(json.dumps({"conversation": r["messages"]}) + "\n" for r in RECORDS))
-    with pytest.raises(ValueError, match="no 'messages' column .*--data.messages_column"):
+    with pytest.raises(ValueError, match="no 'messages' column .*messages_column=NAME"):
         build_chat_dataset(str(path), chat_tokenizer, seq_len=64)
     assert len(build_chat_dataset(str(path), chat_tokenizer, seq_len=64, messages_column="conversation")) > 0
 

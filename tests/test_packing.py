@@ -137,7 +137,7 @@ def test_context_parallel_refuses_packed_rows():
     cp = ContextParallel(None, 0, 2)
     with pytest.raises(ValueError) as err:
         cp.shard(pack_collate(_samples()[:2]))
-    assert str(err.value) == PACKED_ROWS and "--data.packing=false" in PACKED_ROWS
+    assert str(err.value) == PACKED_ROWS and "chat_collate(tokenizer, packing=False)" in PACKED_ROWS
     padded = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long),
               "attention_mask": torch.ones(2, 8, dtype=torch.long)}
     assert cp.shard(padded)["input_ids"].shape == (2, 4)    # unpacked rows still split

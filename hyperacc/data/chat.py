@@ -29,17 +29,17 @@ from typing import Dict, List, Optional, Sequence
 IGNORE_INDEX = -100
 NO_GENERATION_BLOCKS = (
     "the tokenizer's chat template marks no assistant tokens ({% generation %} blocks): hyperacc cannot tell "
-    "which tokens to train on. Fix: a training template that has them: --data.chat_template=chatml (hyperacc's "
-    "ChatML template, for Qwen-style <|im_start|> turns) or the path of one (e.g. TRL's "
-    "trl/chat_templates/<family>_training.jinja); in code prepare_chat_tokenizer(tokenizer, path). Or train on "
-    "plain text (--data.format=text).")
+    "which tokens to train on. Fix: a training template that has them: chat_template='chatml' (hyperacc's "
+    "ChatML template, for Qwen-style <|im_start|> turns) or chat_template=PATH of one (e.g. TRL's "
+    "trl/chat_templates/<family>_training.jinja), as in prepare_chat_tokenizer(tokenizer, chat_template). Or train "
+    "on plain text (build_text_dataset).")
 
 
 # ChatML (the Qwen family's turn format) with the assistant's content and its <|im_end|> inside generation
 # blocks: what the model learns to emit. hyperacc's own, for tokenizers without a training template.
 CHATML_TRAINING_TEMPLATE = (
     "{%- if tools -%}{{- raise_exception('the chatml template does not render tool definitions: they would be "
-    "dropped silently. Fix: --data.chat_template=PATH of your model family\\'s training template with tools') -}}"
+    "dropped silently. Fix: chat_template=PATH of your model family\\'s training template with tools') -}}"
     "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['content'] is not string -%}{{- raise_exception('the chatml template renders text content "
@@ -64,8 +64,8 @@ def _template_text(chat_template: str) -> str:
     path = os.path.expanduser(chat_template)
     if not os.path.isfile(path):
         raise ValueError(f"chat template {chat_template!r} is neither a built-in template ({', '.join(BUILTIN_TEMPLATES)}) "
-                         "nor a file (a directory or a missing path). Fix: --data.chat_template=chatml, or the path "
-                         "of a Jinja template with {% generation %} blocks.")
+                         "nor a file (a directory or a missing path). Fix: chat_template='chatml', or "
+                         "chat_template=PATH of a Jinja template with {% generation %} blocks.")
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if "{%" not in text and "{{" not in text:
@@ -92,8 +92,8 @@ def prepare_chat_tokenizer(tokenizer, chat_template: Optional[str] = None):
                 tokenizer.add_tokens(missing, special_tokens=True)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template. Fix: "
-                         "--data.chat_template=chatml (hyperacc's ChatML training template) or the path of a Jinja "
-                         "template with {% generation %} blocks.")
+                         "chat_template='chatml' (hyperacc's ChatML training template) or chat_template=PATH of a "
+                         "Jinja template with {% generation %} blocks.")
     if getattr(tokenizer, "pad_token_id", None) is None:
         tokenizer.pad_token = tokenizer.eos_token
     render_messages(tokenizer, _PROBE)          # NO_GENERATION_BLOCKS now, not at the first record
@@ -188,14 +188,14 @@ def render_record(tokenizer, record: dict, *, messages_column: str = "messages",
         return render_prompt_completion(tokenizer, prompt, completion, chat_template=chat_template, tools=tools)
     if messages_column not in record:
         raise KeyError(f"a chat record needs a {messages_column!r} column (role/content messages) or 'prompt' and "
-                       f"'completion'; this one has {sorted(record)}. Set --data.messages_column to the column "
+                       f"'completion'; this one has {sorted(record)}. Fix: messages_column=NAME of the column "
                        "that holds the conversation.")
     _check_messages(record[messages_column], messages_column)
     return render_messages(tokenizer, record[messages_column], chat_template=chat_template, tools=tools)
 
 
 def render_row(tokenizer, row: dict, *, messages_column: str = "messages", where: str = "a record",
-               column_flag: str = "--data.messages_column") -> Dict[str, List[int]]:
+               column_flag: str = "messages_column=") -> Dict[str, List[int]]:
     """`render_record` for a dataset row, with one ValueError naming ``where`` (e.g. its row number) when it
     cannot be rendered. A None field is an absent one: datasets fills a column that some records lack
     with None (a file mixing messages and prompt/completion records)."""
@@ -204,7 +204,7 @@ def render_row(tokenizer, row: dict, *, messages_column: str = "messages", where
         return render_record(tokenizer, record, messages_column=messages_column)
     except KeyError:
         raise ValueError(f"{where} has no {messages_column!r} messages and no 'prompt' + 'completion' (its fields: "
-                         f"{sorted(record)}). Fix: {column_flag} NAME of the column that holds the "
+                         f"{sorted(record)}). Fix: {column_flag}NAME of the column that holds the "
                          "conversations.") from None
     except ValueError as e:         # a record of the wrong shape (`_check_messages`), a template refusal ...
         raise ValueError(f"{where}: {e}") from None

@@ -74,7 +74,7 @@ def check_chat_columns(columns, messages_column: str, where: str) -> None:
     if messages_column in columns or {"prompt", "completion"} <= set(columns):
         return
     raise ValueError(f"{where} has no {messages_column!r} column (role/content messages) and no 'prompt' + "
-                     f"'completion' columns; its columns are {sorted(columns)}. Fix: --data.messages_column=NAME "
+                     f"'completion' columns; its columns are {sorted(columns)}. Fix: messages_column=NAME "
                      "of the column that holds the conversations.")
 
 
@@ -150,7 +150,7 @@ def build_chat_dataset(dataset, tokenizer, *, seq_len: int, split: str = "train"
     skipped = len(rows) - len(rendered)
     if len(rendered) == 0:
         raise ValueError(f"no conversation of {source} has an assistant token within seq_len={seq_len} tokens "
-                         "(all were skipped). Fix: a larger --data.seq_len, or data with assistant turns.")
+                         "(all were skipped). Fix: a larger seq_len, or data with assistant turns.")
     if skipped:
         warnings.warn(f"{skipped} of {len(rows)} conversations of {source} have no assistant token within "
                       f"seq_len={seq_len} tokens: skipped", stacklevel=2)
@@ -163,7 +163,7 @@ def _megatron_chat(prefix: str, seq_len: int, split: str, holdout_fraction: floa
     if not has_loss_mask(prefix):
         raise ValueError(f"Megatron prefix {prefix!r} holds token ids only (pre-training text: no loss mask), so "
                          "it cannot say which tokens are the assistant's. Fix: convert the chat records with "
-                         "`python -m hyperacc.data.convert --format chat`, or train it with --data.format=text.")
+                         "`python -m hyperacc.data.convert --format chat`, or train it as text (build_text_dataset).")
     return ChatIndexedDataset(prefix, seq_len, split=split, holdout_fraction=holdout_fraction)
 
 

@@ -51,9 +51,9 @@ from hyperacc.data.megatron_writer import IndexedDatasetWriter, remove_stale_tem
 __all__ = ["convert", "main", "build_parser", "FORMATS"]
 
 FORMATS = ("text", "chat")
-# hyperacc.data.chat's messages name the training flags; the converter's are spelt differently.
-_CONVERTER_FLAGS = {"--data.chat_template=": "--chat-template ", "--data.format=": "--format ",
-                    "--data.messages_column=": "--messages-column ", "--data.messages_column": "--messages-column"}
+# hyperacc.data.chat's messages name its keyword arguments; the converter's flags are spelt differently.
+_CONVERTER_FLAGS = {"chat_template='chatml'": "--chat-template chatml", "chat_template=": "--chat-template ",
+                    "messages_column=": "--messages-column ", "(build_text_dataset)": "(--format text)"}
 
 
 def _for_converter(message: str) -> str:

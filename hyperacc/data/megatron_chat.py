@@ -61,7 +61,7 @@ class ChatEncoder:
         ids, masks = [], []
         for row, values in enumerate(zip(*columns.values()), start=first):
             sample = render_row(self.tokenizer, dict(zip(columns, values)), messages_column=self.messages_column,
-                                where=f"record {row} of {self.source}", column_flag="--messages-column")
+                                where=f"record {row} of {self.source}", column_flag="--messages-column ")
             ids.append(sample["input_ids"])
             masks.append([label != IGNORE_INDEX for label in sample["labels"]])
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))

@@ -27,7 +27,7 @@ import numpy as np
 from hyperacc.data.default_corpus import DEFAULT_VOCAB_SIZE
 from hyperacc.data.megatron import exists as megatron_exists, normalize_prefix, optimal_dtype
 from hyperacc.data.packed import TokenWindows, build_packed_dataset, parse_blend
-from hyperacc.data.text_files import FILE_BUILDERS as _FILE_BUILDERS, check_texts, diagnose_unreadable
+from hyperacc.data.text_files import FILE_BUILDERS as _FILE_BUILDERS, _local_files, check_texts, diagnose_unreadable
 
 __all__ = [
     "build_train_dataset",
@@ -213,7 +213,7 @@ def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = No
     except ConnectionError as e:
         raise ValueError(f"dataset {path!r} is not cached and cannot be downloaded here ({e}). Fix: load it once "
                          f"where the hub is reachable (it is cached then), or pass local files, a save_to_disk "
-                         f"directory or a Megatron prefix instead (examples/train_qwen.py: --data.dataset=PATH)") from e
+                         f"directory or a Megatron prefix instead") from e
     if splits is not None:
         available = list(splits.keys())
         if (split in ("train", "validation") and "train" in available and "validation" not in available
@@ -316,6 +316,17 @@ def check_dataset_source(dataset) -> None:
     for spec in specs:
         path = os.path.expanduser(os.fspath(spec))
         prefix = normalize_prefix(path)
+        suffix = os.path.splitext(path[:-3] if path.endswith(".gz") else path)[1].lower()
+        supported = (f"supported: {', '.join(sorted(_FILE_BUILDERS))} (optionally .gz), a save_to_disk directory or "
+                     "a Megatron prefix")
+        if os.path.isfile(path) and suffix not in _FILE_BUILDERS and not megatron_exists(prefix):
+            # e.g. the config YAML itself: found only once the data is built (after the process group)
+            raise ValueError(f"{os.fspath(spec)!r} is a file of no format hyperacc reads as data "
+                             f"({f'suffix {suffix!r}' if suffix else 'no suffix'}); {supported}. Fix: pass the data "
+                             "file itself, named with its format's suffix")
+        if os.path.isdir(path) and not _is_saved_dataset(path) and not _local_files(path):
+            raise ValueError(f"{os.fspath(spec)!r} is a directory holding no data file ({supported}). Fix: pass the "
+                             "directory that holds the data files, or one of them")
         if os.path.exists(path) or (any(c in path for c in "*?[") and glob.glob(path)):
             continue
         if os.path.exists(prefix + ".idx") or os.path.exists(prefix + ".bin"):

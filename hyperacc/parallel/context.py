@@ -123,8 +123,9 @@ def _heads_to_seq(x: torch.Tensor, cp: int, group) -> torch.Tensor:
 # Ring/all-gather attention over a cp split sees one causal sequence per row: the samples of a packed
 # row would attend to each other across the pieces. Refused rather than computed wrong.
 PACKED_ROWS = ("context parallelism does not split packed rows (several samples in one row, position_ids "
-               "restarting): attention across the cp pieces would mix the samples. Fix: --data.packing=false "
-               "(padded rows) with parallel.cp_size > 1, or cp_size=1 to pack.")
+               "restarting): attention across the cp pieces would mix the samples. Fix: padded rows "
+               "(chat_collate(tokenizer, packing=False)) with ParallelConfig.cp_size > 1, or ParallelConfig.cp_size=1 "
+               "to pack.")
 
 
 class ContextParallel:
