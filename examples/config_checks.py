@@ -171,8 +171,8 @@ SWITCHES = (
     ("data.dataset", lambda c: c.data.dataset not in (None, "default"), ("data.name", "data.text_column",
                                                                          "data.messages_column"),
      "--data.dataset=<a hub id or local path>"),
-    ("training.dry_run", lambda c: c.training.dry_run, ("training.dry_run_world_size", "training.dry_run_report"),
-     "--training.dry_run=true"),
+    # (training.dry_run_world_size is not refused: a config file may preset what a dry run plans for.)
+    ("training.dry_run", lambda c: c.training.dry_run, ("training.dry_run_report",), "--training.dry_run=true"),
     ("data.format", lambda c: c.data.format == "text", ("data.text_column",), "--data.format=text"),
 )
 

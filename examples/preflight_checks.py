@@ -98,6 +98,7 @@ def preflight(cfg, world_size):
     if ck.save_ckpt:
         collect(check_output_path, ck.checkpoint_dir, "--checkpoint.checkpoint_dir", directory=True)
     collect(check_dataset_path, cfg.data.dataset)
+    collect(check_embedded_splits, cfg)
     resumed = collect(check_checkpoint_start, cfg)      # the checkpoint a resume restores, or None
     collect(lambda: check_optimizer(optimizer_config(cfg), recipe=get_recipe(cfg.fsdp.precision)))
     collect(check_parallel, cfg, world_size)
@@ -123,13 +124,35 @@ def preflight(cfg, world_size):
     return tokenizer
 
 
+def check_embedded_splits(cfg):
+    """The embedded corpora (``data.dataset`` null) have a train and a validation split only; another
+    ``data.split`` (or ``data.eval_split`` with evaluation on) would fail only once the data is built."""
+    if cfg.data.dataset not in (None, "default"):
+        return
+    for flag, split, used in (("data.split", cfg.data.split, True),
+                              ("data.eval_split", cfg.data.eval_split, cfg.eval.eval_steps > 0)):
+        if used and split is not None and split not in ("train", "validation"):
+            raise ConfigError(f"{flag}={split!r}: the embedded {cfg.data.format} corpus (data.dataset=null) has the "
+                              f"splits train and validation only. Fix: --{flag}=" +
+                              ("train" if flag == "data.split" else "validation") + ", or --data.dataset=<a dataset "
+                              "with that split>.")
+
+
 def _model_config_or_error(cfg, vocab_size):
     try:
         from huggingface_hub.errors import StrictDataclassError   # a config field of the wrong type
     except ImportError:
         StrictDataclassError = TypeError   # noqa: N806 - older huggingface_hub: no strict config fields
+    path = cfg.model.name_or_path
+    if path and str(path).startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(path)):
+        what = "is a file" if os.path.isfile(os.path.expanduser(path)) else "does not exist"
+        raise ConfigError(f"model.name_or_path={path!r} {what}: it takes a model directory (config.json, and weights "
+                          "to fine-tune) or a hub id. Fix: --model.name_or_path=<such a directory>, or null to build "
+                          "model.preset from scratch.")
     try:
         return model_config(cfg, vocab_size=vocab_size)
+    except ConfigError:
+        raise                                   # already names its flag and fix
     except (OSError, ValueError, TypeError, StrictDataclassError) as err:
         raise ConfigError(f"model: {' '.join(str(err).split()).rstrip('.')}. Fix: correct model.overrides / "
                           "model.name_or_path as named.") from None
@@ -137,20 +160,31 @@ def _model_config_or_error(cfg, vocab_size):
 
 def load_data_tokenizer(cfg):
     """The data's tokenizer (the model is sized with its len()); for chat data ready to render
-    conversations: its template (data.chat_template; chatml for the embedded tokenizer) probed here."""
+    conversations: its template (data.chat_template; chatml for the embedded tokenizer) probed here.
+    A problem names the flag that chose what failed: data.tokenizer, or model.name_or_path when that
+    supplies the tokenizer (data.tokenizer unset), or data.chat_template."""
     from hyperacc.data.text import load_tokenizer
 
     name = cfg.data.tokenizer or cfg.model.name_or_path
+    source = "data.tokenizer" if cfg.data.tokenizer or not name else "model.name_or_path (data.tokenizer unset)"
     try:
         tokenizer = load_tokenizer(name)
-        if cfg.data.format == "chat":
-            from hyperacc.data.chat import prepare_chat_tokenizer
-
-            template = cfg.data.chat_template or ("chatml" if name in (None, "default") else None)
-            prepare_chat_tokenizer(tokenizer, template)
-        return tokenizer
     except ValueError as err:
-        raise ConfigError(f"data.tokenizer: {' '.join(str(err).split())}") from None
+        text = " ".join(str(err).split())
+        fix = "" if "Fix:" in text else (" Fix: --data.tokenizer=<a tokenizer directory or cached hub id>"
+                                          + (" (or a --model.name_or_path that has one)" if cfg.data.tokenizer is None
+                                             else "") + ", or --data.tokenizer=default for the embedded one.")
+        raise ConfigError(f"{source}: {text}{fix}") from None
+    if cfg.data.format == "chat":
+        from hyperacc.data.chat import prepare_chat_tokenizer
+
+        template = cfg.data.chat_template or ("chatml" if name in (None, "default") else None)
+        try:
+            prepare_chat_tokenizer(tokenizer, template)
+        except ValueError as err:
+            flag = "data.chat_template" if cfg.data.chat_template else source
+            raise ConfigError(f"{flag}: {' '.join(str(err).split())}") from None
+    return tokenizer
 
 
 def _tokenizer(cfg):

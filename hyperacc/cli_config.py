@@ -200,6 +200,29 @@ def _default_at(defaults, path: Sequence[str]):
     return value
 
 
+def _check_layer(layer: dict, defaults) -> None:
+    """One ConfigError for a value OmegaConf would take wrongly or trip over: an int other than 0/1 for a
+    bool (OmegaConf reads ``2`` and ``-1`` as true), a mapping where a list goes or a list where a
+    mapping goes (OmegaConf raises a bare TypeError, "Cannot merge incompatible container types")."""
+    for section, fields in layer.items():
+        for name, value in (fields.items() if isinstance(fields, dict) else ()):
+            path = [section, str(name)]
+            try:
+                tp = _type_at(defaults, path)
+            except (ImportError, AttributeError, ValueError, TypeError):
+                continue                               # a _target_ that does not resolve: named by _component
+            key, origin = ".".join(path), typing.get_origin(tp)
+            if tp is bool and isinstance(value, int) and not isinstance(value, bool) and value not in (0, 1):
+                raise ConfigError(f"{key} must be bool (true or false), got {value!r}. Fix: --{key}=true or "
+                                  f"--{key}=false")
+            listy, mapping = tp in (list, tuple) or origin in (list, tuple), tp is dict or origin is dict
+            if (listy and isinstance(value, dict)) or (mapping and isinstance(value, (list, tuple))):
+                default = dump_config(_default_at(defaults, path))
+                example = (str(default).replace(" ", "") if default else "[a,b]" if listy else "{name: value}")
+                raise ConfigError(f"{key} must be {'a list' if listy else 'a mapping'}, got {_short(value)}. Fix: "
+                                  f"e.g. --{key}={example} (see --help)")
+
+
 def build_config(schema_cls, data: Optional[dict] = None, *, source: str = "dict", overrides=()):
     """Build ``schema_cls`` from nested data (as read from YAML) and ``(flag, nested data)`` command-line
     overrides, with all checks."""
@@ -218,6 +241,7 @@ def build_config(schema_cls, data: Optional[dict] = None, *, source: str = "dict
                     raise ConfigError(f"section {name!r} must be a mapping of its fields, got {value!r}.")
                 if name in components and value.get(TARGET, cfg[name][TARGET]) != cfg[name][TARGET]:
                     cfg[name] = {}                     # a new _target_ (YAML only) starts from no arguments
+            _check_layer(layer, defaults)
             cfg = OmegaConf.merge(cfg, layer)
             built.update({name: _component(OmegaConf.to_container(cfg[name]), name) for name in components})
         except OmegaConfBaseException as err:

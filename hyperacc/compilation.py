@@ -124,7 +124,7 @@ def check_backend(config, device_type: str, parallel=None) -> None:
                            "without code generation) or compile=false to train eager.")
     if config.compile_mode not in MODES:
         raise ValueError(f"FSDPConfig.compile_mode={config.compile_mode!r} is not a torch.compile mode; choose "
-                         f"one of {', '.join(MODES[1:])}.")
+                         f"one of {', '.join(MODES[1:])}. Fix: FSDPConfig.compile_mode='default'.")
     if config.compile_mode in CUDA_GRAPH_MODES or backend == "cudagraphs":
         raise ValueError(f"FSDPConfig.compile: CUDA graphs ({backend}, mode {config.compile_mode!r}) cannot "
                          "capture a block whose parameters FSDP2 frees and re-gathers every step. Fix: "

@@ -156,7 +156,8 @@ class FSDPConfig:
             self.mixed_precision = None
         if self.mixed_precision not in (None, "bf16", "fp16"):
             raise ValueError(f"FSDPConfig.mixed_precision={self.mixed_precision!r} is not one of "
-                             "None, 'no', 'bf16', 'fp16'.")
+                             "None, 'no', 'bf16', 'fp16'. Fix: FSDPConfig.mixed_precision='bf16' (bf16 compute), "
+                             "or None for full precision.")
         self.wrap_classes = _class_list(self.wrap_classes)
 
 
@@ -200,7 +201,8 @@ class CheckpointConfig:
             self.is_peft = _from_env(self.is_peft, False) if self.is_peft.strip() else None
         if self.save_consolidated not in SAVE_CONSOLIDATED_CHOICES:
             raise ValueError(f"CheckpointConfig.save_consolidated={self.save_consolidated!r} must be "
-                             f"one of {SAVE_CONSOLIDATED_CHOICES}.")
+                             f"one of {SAVE_CONSOLIDATED_CHOICES}. Fix: CheckpointConfig.save_consolidated='none' "
+                             "(DCP shards only), 'final' or 'every'.")
         for name in ("save_steps", "save_epochs", "keep_last_n"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CheckpointConfig.{name} must be >= 0 (0 disables it).")

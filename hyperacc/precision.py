@@ -65,7 +65,8 @@ def get_recipe(name: Optional[str]) -> Recipe:
     name = DEFAULT_RECIPE if name is None else str(name)
     if name not in RECIPES:
         raise ValueError(f"precision={name!r} is not a recipe; choose one of {', '.join(RECIPES)} "
-                         f"(see README 'Precision recipes').")
+                         f"(see README 'Precision recipes'). Fix: FSDPConfig.precision='{DEFAULT_RECIPE}' (the "
+                         "default), or another recipe named above.")
     return RECIPES[name]
 
 

@@ -92,6 +92,11 @@ def resolve_source(source: str, checkpoint_dir: str) -> Optional[str]:
     a checkpoint root (holds the pointer or step directories) means the LATEST one inside it.
     """
     if source == "LATEST":
+        if os.path.lexists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+            raise NotADirectoryError(f"LATEST (CheckpointConfig.restore_from / load_state) looks in "
+                                     f"CheckpointConfig.checkpoint_dir={checkpoint_dir!r}, which is a file, not a "
+                                     "checkpoint directory. Fix: CheckpointConfig.checkpoint_dir=<the directory the "
+                                     "run saved into>.")
         found = find_latest(checkpoint_dir)
         if found is None:
             warnings.warn(f"LATEST (CheckpointConfig.restore_from / load_state) but {checkpoint_dir!r} holds no complete checkpoint: "
@@ -100,10 +105,11 @@ def resolve_source(source: str, checkpoint_dir: str) -> Optional[str]:
     path = os.fspath(source)
     if os.path.isfile(path):
         raise NotADirectoryError(f"{path!r} is a file, not a checkpoint: pass the global_step_<N> directory that "
-                                 f"holds it ({os.path.dirname(os.path.abspath(path))!r}), a checkpoint root, or 'LATEST'.")
+                                 f"holds it ({os.path.dirname(os.path.abspath(path))!r}), a checkpoint root, or 'LATEST'. "
+                                 "Fix: CheckpointConfig.restore_from=<that directory> (load_state's source).")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Checkpoint directory {path!r} does not exist (CheckpointConfig.restore_from "
-                                "/ load_state source). Pass an existing global_step_<N> directory, a "
+                                "/ load_state source). Fix: pass an existing global_step_<N> directory, a "
                                 "checkpoint root, or 'LATEST'.")
     if is_complete(path):
         return path
@@ -119,7 +125,8 @@ def resolve_source(source: str, checkpoint_dir: str) -> Optional[str]:
             f"that wrote it, or {weights_fix(path)}.")
     raise FileNotFoundError(f"{path!r} is not a complete checkpoint: it has no {METADATA_FILE} (the save "
                             "that wrote it did not finish) and holds no complete global_step_<N> "
-                            "directory.")
+                            "directory. Fix: CheckpointConfig.restore_from=<a complete global_step_<N> directory or "
+                            "a checkpoint root> (load_state's source), or 'LATEST'.")
 
 
 @_comm.forwarded
