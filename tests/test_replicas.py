@@ -86,7 +86,10 @@ def test_the_guard_passes_agreeing_copies_and_finds_a_one_ulp_mismatch_at_its_ne
     assert ("k_norm" if "--tp" in layout else "model.embed_tokens.weight") in error
 
 
-@pytest.mark.slow     # its torchrun aborted twice at gloo teardown under load (after passing): make test-all
+# Slow set for time only (two launches; the rounding's own tests run by default). An earlier session saw its
+# torchrun abort twice at gloo teardown under load; 330 launches here (2 and 4 ranks, up to 12 processes and
+# three busy loops on 2 cores, with and without pytest) never aborted: see issue 38's note.
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_element_indices_match_torchs_own_sharding(tmp_path, world):
     # the oracle: distribute_tensor(arange(numel)) puts each element's global index where it lives
