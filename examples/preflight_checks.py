@@ -110,6 +110,7 @@ def preflight(cfg, world_size):
         if config is not None:
             collect(check_model_config, config, tokenizer_size=len(tokenizer))
             collect(check_router_aux, cfg, config)
+            collect(check_pretrained_model, cfg, len(tokenizer))
             if resumed is not None:
                 collect(check_resume_model, cfg, resumed, config, len(tokenizer))
     collect(check_attn_implementation, cfg, config)
@@ -122,6 +123,41 @@ def preflight(cfg, world_size):
         raise ConfigError(problems[0] if len(problems) == 1 else
                           f"{len(problems)} problems: " + " | ".join(problems))
     return tokenizer
+
+
+def check_pretrained_model(cfg, vocab_size):
+    """A model with pretrained weights is built as its own config.json says (`model_setup.build_model`), so
+    ``model.overrides`` would be ignored, and a tokenizer larger than its vocabulary (e.g. with the chat
+    template's special tokens added) would stop the run at the first batch: both refused here."""
+    from transformers import AutoConfig
+
+    from hyperacc.models import has_pretrained_weights
+
+    path, model = cfg.model.name_or_path, cfg.model
+    if not path or not has_pretrained_weights(path):
+        return
+    config = AutoConfig.from_pretrained(path)
+    rope = getattr(config, "rope_parameters", None) or {}
+    missing = object()
+
+    def saved(key):
+        return getattr(config, key) if hasattr(config, key) else rope.get(key, missing) if isinstance(rope, dict) else missing
+
+    ignored = {key: value for key, value in model.overrides.items() if saved(key) != value}
+    if ignored:       # (an override that repeats the saved value changes nothing: allowed)
+        key, value = next(iter(ignored.items()))
+        now = saved(key)
+        raise ConfigError(f"model.overrides.{key}={value!r} with pretrained weights (model.name_or_path={path}, whose "
+                          f"config has {key}={'no such field' if now is missing else repr(now)}): the model is built as "
+                          "its config.json says, so the override would be ignored. Fix: drop model.overrides."
+                          f"{key} (or save a copy of the model with the change: config.json and weights).")
+    vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", None)
+    if isinstance(vocab, int) and vocab_size > vocab:
+        added = " (data.format=chat added the chat template's special tokens)" if cfg.data.format == "chat" else ""
+        raise ConfigError(f"the tokenizer has {vocab_size} entries{added} but model.name_or_path={path} has "
+                          f"vocab_size={vocab}: token ids from {vocab} on have no embedding row. Fix: the model's own "
+                          "tokenizer and chat template (--data.tokenizer unset or its directory, --data.chat_template "
+                          "a template whose tokens it holds), or a model whose vocabulary holds this tokenizer.")
 
 
 def check_embedded_splits(cfg):
