@@ -32,9 +32,10 @@ _VALUE = r"""(?:=('[^']*'|"[^"]*"|[^\s,;)]+))?"""
 _FIELD = re.compile(r"\b(CheckpointConfig|FSDPConfig|ParallelConfig|MicroBatchDataLoader)\.(\w+)" + _VALUE)
 _LOAD_STATE = re.compile(r"""(?<![.\w])load_state\(('[^']*'|"[^"]*")\)""")    # hyperacc's, not accelerator.load_state
 # hyperacc.data's keyword arguments (build_chat_dataset, prepare_chat_tokenizer, chat_collate) -> --data.* flags.
-_DATA_KEYWORD = re.compile(r"(?<![\w.\-])(chat_template|messages_column|seq_len)=('[^']*'|\"[^\"]*\"|[^\s,;)]+)")
+_DATA_KEYWORD = re.compile(r"(?<![\w.\-])(chat_template|messages_column|seq_len|dataset)=('[^']*'|\"[^\"]*\"|[^\s,;)]+)")
 _DATA_CALLS = ((re.compile(r"chat_collate\(tokenizer, packing=False\)"), "--data.packing=false"),
-               (re.compile(r"\(build_text_dataset\)"), "(--data.format=text)"))
+               (re.compile(r"\(build_text_dataset\)"), "(--data.format=text)"),
+               (re.compile(r"\((?:build_train_dataset|build_chat_dataset)\((dataset=PATH)\)\)"), r"(\1)"))
 _PRETRAINED = re.compile(r"""\bhyperacc\.models\.load_pretrained\(('[^']*'|"[^"]*"|\w+)\)""")
 _REPEATS = ((re.compile(r"(--[\w.]+(?:=[^\s,;)]+)?) \(\1\)"), r"\1"),       # "X (X)" once both became the flag
             (re.compile(r"\((--[\w.]+(?:=[^\s,;)]+)?), or \1\)"), r"(\1)"))   # "(X, or X)"

@@ -98,7 +98,7 @@ def test_load_state_resumes_a_stream_exactly(runs, world, case):
 
 def test_stream_checkpoint_resumes_on_another_number_of_processes(runs):
     saved = runs[2]["resume"]["torch_drop_last"]
-    k, expected = saved["k"], saved["full"]["steps"][saved["k"]:]
+    expected = saved["full"]["steps"][saved["k"]:]
     cross = runs[1]["cross"]
     assert cross["position"] == [1, 1], cross["position"]         # 2 ranks: 3 steps an epoch, saved after 4
     got = cross["record"]["steps"]

@@ -213,7 +213,7 @@ def load_text_dataset(path: Union[str, os.PathLike], *, name: Optional[str] = No
     except ConnectionError as e:
         raise ValueError(f"dataset {path!r} is not cached and cannot be downloaded here ({e}). Fix: load it once "
                          f"where the hub is reachable (it is cached then), or pass local files, a save_to_disk "
-                         f"directory or a Megatron prefix instead") from e
+                         f"directory or a Megatron prefix instead (build_train_dataset(dataset=PATH))") from e
     if splits is not None:
         available = list(splits.keys())
         if (split in ("train", "validation") and "train" in available and "validation" not in available
@@ -317,8 +317,7 @@ def check_dataset_source(dataset) -> None:
         path = os.path.expanduser(os.fspath(spec))
         prefix = normalize_prefix(path)
         suffix = os.path.splitext(path[:-3] if path.endswith(".gz") else path)[1].lower()
-        supported = (f"supported: {', '.join(sorted(_FILE_BUILDERS))} (optionally .gz), a save_to_disk directory or "
-                     "a Megatron prefix")
+        supported = f"supported: {', '.join(sorted(_FILE_BUILDERS))} (optionally .gz), save_to_disk, Megatron"
         if os.path.isfile(path) and suffix not in _FILE_BUILDERS and not megatron_exists(prefix):
             # e.g. the config YAML itself: found only once the data is built (after the process group)
             raise ValueError(f"{os.fspath(spec)!r} is a file of no format hyperacc reads as data "
@@ -332,9 +331,7 @@ def check_dataset_source(dataset) -> None:
         if os.path.exists(prefix + ".idx") or os.path.exists(prefix + ".bin"):
             missing = [p for p in (prefix + ".idx", prefix + ".bin") if not os.path.exists(p)]
             raise ValueError(f"Megatron dataset {prefix!r} is incomplete: {', '.join(missing)} is missing")
-        looks_local = path.startswith((".", "/", "~")) or os.path.splitext(
-            path[:-3] if path.endswith(".gz") else path)[1].lower() in _FILE_BUILDERS or len(specs) > 1
-        if looks_local:
+        if path.startswith((".", "/", "~")) or suffix in _FILE_BUILDERS or len(specs) > 1:      # looks local
             raise ValueError(f"{os.fspath(spec)!r} not found: no such file, directory or Megatron prefix "
                              f"(PREFIX.idx + PREFIX.bin). Fix: pass an existing path, or a hub name like 'owner/name'")
 
