@@ -18,9 +18,8 @@ from typing import Optional
 import torch
 
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
-from hyperacc.launch_env import env_flag, env_has_prefix, env_hidden
+from hyperacc.launch_env import env_flag, env_hidden
 
-CHECKPOINT_ENV_PREFIX = "HYPERACC_CHECKPOINT_"
 
 # accelerate.Accelerator members that raise NotImplementedError on hyperacc, each with the reason.
 NOT_SUPPORTED = {
@@ -172,10 +171,6 @@ def process_group_timeout_s(kwargs_handlers) -> Optional[float]:
         if isinstance(handler, InitProcessGroupKwargs) and handler.timeout is not None:
             return handler.timeout.total_seconds()
     return None
-
-
-def checkpoint_env_given() -> bool:
-    return env_has_prefix(CHECKPOINT_ENV_PREFIX)
 
 
 def mark_state_fsdp2(state, fsdp_plugin=None) -> None:
