@@ -117,6 +117,30 @@ def test_failure_midway_leaves_no_output(cache, jsonl, tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]  # no final names, no temporary leftovers
 
 
+@pytest.mark.parametrize("fmt", ["text", "chat"])
+def test_an_interrupt_just_after_a_writer_made_its_file_leaves_nothing(cache, jsonl, tmp_path, monkeypatch, fmt):
+    # A signal landing after the writer created its temporary file but before convert() held the
+    # writer (the window test_sigterm_midway hit under load): its abort cannot run; nothing may remain.
+    from hyperacc.data import megatron_writer
+
+    real = megatron_writer.IndexedDatasetWriter.__init__
+
+    def interrupted(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self._closed = True            # as if the signal came before the writer was marked open
+        raise KeyboardInterrupt("signal 15")
+
+    monkeypatch.setattr(megatron_writer.IndexedDatasetWriter, "__init__", interrupted)
+    records = tmp_path / "chat.jsonl"
+    records.write_text(json.dumps({"prompt": "q", "completion": "a"}) + "\n")
+    source = str(records) if fmt == "chat" else jsonl
+    with pytest.raises(KeyboardInterrupt):
+        cv.convert(source, str(tmp_path / "out"), text_column="content", format=fmt, batch_size=50,
+                   progress=False, log=None)
+    assert sorted(os.listdir(tmp_path)) == sorted({"in.jsonl", "chat.jsonl"} & set(os.listdir(tmp_path)))
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f or f.startswith("out")]
+
+
 def test_sigterm_midway_leaves_no_final_file(cache, jsonl, tmp_path):
     # A conversion slowed down in its encoder, terminated while its temporary .bin exists.
     script = ("import sys, time\n"

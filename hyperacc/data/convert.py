@@ -238,18 +238,22 @@ def convert(input: str, output_prefix: str, *, tokenizer=None, name: Optional[st
 
         bar = tqdm(total=n_docs, unit="doc", desc=f"convert -> {os.path.basename(output_prefix)}",
                    file=sys.stderr, dynamic_ncols=True)
-    writer = (ChatDatasetWriter(output_prefix, vocab_size=vocab, overwrite=overwrite) if chat
-              else IndexedDatasetWriter(output_prefix, vocab_size=vocab, overwrite=overwrite))
+    writer = None
     t0 = time.perf_counter()  # tokens/s counts tokenizing + writing, not loading the tokenizer and data
     load_seconds = t0 - t_load
     try:
+        writer = (ChatDatasetWriter(output_prefix, vocab_size=vocab, overwrite=overwrite) if chat
+                  else IndexedDatasetWriter(output_prefix, vocab_size=vocab, overwrite=overwrite))
         for encoded in _encoded_batches(encoder, batches(), workers):
             writer.add_documents_flat(*encoded)
             if bar is not None:
                 bar.update(len(encoded[1]))
         writer.finalize()
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
+        for prefix in prefixes:     # also what a signal left between a writer's file and `writer`
+            remove_stale_temp_files(prefix, own=True)
         raise
     finally:
         if bar is not None:

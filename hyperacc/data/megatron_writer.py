@@ -29,13 +29,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temp_files(prefix: Union[str, os.PathLike], log=None) -> List[str]:
+def remove_stale_temp_files(prefix: Union[str, os.PathLike], log=None, *, own: bool = False) -> List[str]:
     """Remove the ``PREFIX.bin.tmp-*`` / ``PREFIX.idx.tmp-*`` files that a killed writer of the
     same prefix left behind; return their paths.
 
     A temporary file is stale when the process that wrote it (pid and host are in its name) no
     longer runs on this host. Files of a live writer, or written on another host, are kept (the
-    latter with a message through ``log``).
+    latter with a message through ``log``). ``own=True``: this process's own ones too -- for a caller
+    whose writing was interrupted (a signal can land between a writer creating its file and anyone
+    holding the writer, where its ``abort`` cannot run).
     """
     prefix = os.fspath(prefix)
     directory = os.path.dirname(os.path.abspath(prefix))
@@ -57,12 +59,13 @@ def remove_stale_temp_files(prefix: Union[str, os.PathLike], log=None) -> List[s
                 if log is not None:
                     log(f"keeping temporary file {path}: it was written on host {match.group('host')!r}")
                 continue
-            if _pid_alive(int(match.group("pid"))):
+            pid = int(match.group("pid"))
+            if _pid_alive(pid) and not (own and pid == os.getpid()):
                 continue
             os.remove(path)
             removed.append(path)
-            if log is not None:
-                log(f"removed stale temporary file {path} (its writer, pid {match.group('pid')}, is gone)")
+            if log is not None and pid != os.getpid():
+                log(f"removed stale temporary file {path} (its writer, pid {pid}, is gone)")
     return removed
 
 
