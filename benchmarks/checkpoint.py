@@ -29,7 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def relaunch(argv):
     sys.path.insert(0, REPO)
-    from hyperacc.launch_env import free_port
+    from hyperacc.config.launch_env import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", os.path.abspath(__file__), *argv]
@@ -63,7 +63,7 @@ def main():
 
     from hyperacc.checkpoint import Checkpointer, TrainState
     from hyperacc.config import CheckpointConfig
-    from hyperacc.progress import Progress
+    from hyperacc.runtime.progress import Progress
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

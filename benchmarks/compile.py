@@ -1,7 +1,7 @@
 """`FSDPConfig(compile=True)`: step time, compile time, recompiles and loss against eager.
 
 hyperacc compiles each transformer block's forward with torch.compile before FSDP2 shards it
-(hyperacc/compilation.py). This measures what that buys and costs on CPU, for two models:
+(hyperacc/sharding/compile.py). This measures what that buys and costs on CPU, for two models:
   tiny   the tiny Qwen3-MoE preset (`hyperacc.models.qwen3_moe_config()`, hidden 64)
   wide   a Qwen3-MoE at hidden 1024 (2 layers, 16 / 8 heads of 64, 4 experts x 512 top-2, vocab 4096:
          few parameters for the compute, since FSDP's gloo all-gathers and reduce-scatters, which
@@ -14,7 +14,7 @@ thread per core). Per model, every run from the same seed and the same batches (
             (so that other load on a shared machine slows both alike)
   var/pN    compiled, VAR_STEPS steps of random lengths MIN_LEN..MAX_LEN padded per micro-batch
             (pad_to_multiple_of None, then 64): the frames dynamo compiles after the warm-up (goal 0)
-            and in all (`hyperacc.compilation.compiled_frames()` after each step, summed over the ranks:
+            and in all (`hyperacc.sharding.compile.compiled_frames()` after each step, summed over the ranks:
             each compiles for the lengths it meets)
 Every compiled run starts from torch._dynamo.reset() and an empty inductor cache directory
 (`torch._inductor.utils.fresh_cache`): compile times are cold. Step time = the slower rank's, each
@@ -71,7 +71,7 @@ class Run:
         import torch
 
         import hyperacc
-        from hyperacc.compilation import compiled_frames, recompile_limit_hits
+        from hyperacc.sharding.compile import compiled_frames, recompile_limit_hits
         from hyperacc.data.collate import pad_collate
         from hyperacc.models import build_causal_lm, qwen3_moe_config
 

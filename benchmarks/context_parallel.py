@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from hyperacc.launch_env import free_port  # noqa: E402
+from hyperacc.config.launch_env import free_port  # noqa: E402
 LENGTHS = (512, 1024, 2048, 4096)
 BUDGET_LEN, TIME_LEN = 2048, 2048
 CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,

@@ -1,4 +1,4 @@
-"""Is the dry run's memory plan right? Measured per-rank peak memory vs `hyperacc.dry_run.plan_sharding`.
+"""Is the dry run's memory plan right? Measured per-rank peak memory vs `hyperacc.tools.dry_run.plan_sharding`.
 
 For each case (model x layout x precision recipe x recompute x sequence length x attention) two
 torchrun jobs run the same script on 2 CPU processes, and the difference of their peaks is compared
@@ -115,7 +115,7 @@ def worker(out_path, case: Case, job: str, steps: int):
     import torch.distributed as dist
 
     import hyperacc
-    from hyperacc.optim import AdamW
+    from hyperacc.precision.adamw import AdamW
 
     if case.model != "weights":
         # oneDNN's bf16 kernels keep reordered weights and scratch pads outside torch's tensors (in
@@ -161,7 +161,7 @@ def worker(out_path, case: Case, job: str, steps: int):
 
 def planned_bytes(case: Case, job: str = "model", world=2) -> dict:
     """The plan of what ``job`` trains (see `Case.config`; zero without a model)."""
-    from hyperacc.dry_run import plan_sharding
+    from hyperacc.tools.dry_run import plan_sharding
 
     config = case.config(job)
     if config is None:

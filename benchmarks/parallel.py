@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from hyperacc.launch_env import free_port  # noqa: E402
+from hyperacc.config.launch_env import free_port  # noqa: E402
 STEPS, MBS, SEQ = 8, 4, 128
 CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=32, num_experts_per_tok=2,
@@ -104,7 +104,7 @@ def worker(out_path, impl, layout, experts_impl, model_dir):
 
 def all_gathered_bytes(layout):
     """Bytes all-gathered per rank and step (forward + backward, fp32), from the dry-run planner."""
-    from hyperacc.dry_run import plan_sharding
+    from hyperacc.tools.dry_run import plan_sharding
     from hyperacc.models import build_causal_lm, qwen3_moe_config
 
     s = sizes(layout)

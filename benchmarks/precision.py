@@ -19,7 +19,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from hyperacc.launch_env import free_port  # noqa: E402
+from hyperacc.config.launch_env import free_port  # noqa: E402
 
 
 def run(recipe: str, steps: int, out_dir: str) -> list:

@@ -5,7 +5,7 @@
 One torchrun launch of 2 CPU processes (gloo) trains a Qwen3-MoE (twice the test preset's width,
 8 experts: 0.76 M parameters) under HSDP (``ParallelConfig(dp_replicate_size=2)``: every parameter is
 replicated over the two ranks, the most the guard has to compare), precision ``bf16_sr``, with
-`hyperacc.Accelerator`, `MicroBatchDataLoader` and `hyperacc.optim.AdamW`.
+`hyperacc.Accelerator`, `MicroBatchDataLoader` and `hyperacc.precision.adamw.AdamW`.
 
 1. Step time. Steps are interleaved round-robin between three variants, ``--steps`` each: no guard,
    a guard with ``every=100`` (the default) and one with ``every=1`` (the worst case); each guard
@@ -73,7 +73,7 @@ def worker(steps: int, calls: int, out: str) -> None:
 
     import hyperacc
     from hyperacc.models import build_causal_lm, qwen3_moe_config
-    from hyperacc.optim import AdamW
+    from hyperacc.precision.adamw import AdamW
 
     acc = hyperacc.Accelerator(fsdp=hyperacc.FSDPConfig(precision="bf16_sr"),
                                parallel=hyperacc.ParallelConfig(dp_replicate_size=2),

@@ -6,7 +6,7 @@ The same conversations, the same steps, the same model from the same seed; only 
   packed       each micro-batch's conversations end to end in one row (`pack_collate`: position_ids restart
                at every conversation; no padding at all), sdpa: transformers masks the row block-diagonally
                and computes attention over all (sum of lengths)^2 token pairs
-  packed_sdpa  packed, attn_implementation="packed_sdpa" (`hyperacc.packed_attention`): sdpa on each
+  packed_sdpa  packed, attn_implementation="packed_sdpa" (`hyperacc.models.packed_attention`): sdpa on each
                conversation's slice, sum of length^2 pairs
 Data: the embedded chat corpus (`build_chat_dataset(None, ...)`, ~2,000 stdlib-docstring conversations
 rendered with hyperacc's ChatML training template, 41..SEQ tokens, median ~170, mean ~210: the long-tailed

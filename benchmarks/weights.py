@@ -20,7 +20,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from hyperacc.launch_env import free_port  # noqa: E402
+from hyperacc.config.launch_env import free_port  # noqa: E402
 MiB = 2**20
 
 

@@ -7,7 +7,7 @@ error (rank 0 prints it: `exit_report.py`). What a resume may change: `resume_ch
 """
 import os
 
-from hyperacc.cli_config import ConfigError
+from hyperacc.tools.cli_config import ConfigError
 
 
 # What a checkpoint directory holds at its top level (README "On disk"): no output of the run goes there.
@@ -19,7 +19,7 @@ def check_paths(cfg, config_path):
     the model, the checkpoint it restores (and, in a dry run, which writes only its report, an earlier
     run's metrics file and TensorBoard directory), nor a file in the checkpoint directory. Paths only:
     nothing is opened or created."""
-    from hyperacc.training import check_output_path, check_paths_apart, dataset_files
+    from hyperacc.tools.preflight import check_output_path, check_paths_apart, dataset_files
 
     t, log, ck = cfg.training, cfg.logging, cfg.checkpoint
     inputs = [("the config file", config_path), ("model.name_or_path", cfg.model.name_or_path),
@@ -71,7 +71,7 @@ def check_model_dtype(cfg):
                           f"--fsdp.precision={'bf16' if cfg.model.dtype == 'bfloat16' else 'fp32_master'}.")
 
 
-# torch.optim.AdamW options hyperacc.optim.AdamW lacks: kernel choices it has no use for (dropped), and
+# torch.optim.AdamW options hyperacc.precision.adamw.AdamW lacks: kernel choices it has no use for (dropped), and
 # variants of the update it does not implement (dropped at their default, refused otherwise).
 _TORCH_KERNEL_CHOICES = ("foreach", "fused", "capturable")
 _TORCH_ADAMW_VARIANTS = {"amsgrad": "AMSGrad (amsgrad=true)", "maximize": "maximize=true",
@@ -79,13 +79,13 @@ _TORCH_ADAMW_VARIANTS = {"amsgrad": "AMSGrad (amsgrad=true)", "maximize": "maxim
 
 
 def optimizer_config(cfg):
-    """The optimizer to build: torch.optim.AdamW becomes hyperacc.optim.AdamW (same arguments but its
+    """The optimizer to build: torch.optim.AdamW becomes hyperacc.precision.adamw.AdamW (same arguments but its
     kernel choices foreach/fused/capturable) under a bf16 recipe, whose fp32 arithmetic and moment
     dtype follow the recipe. A torch.optim.AdamW option hyperacc's lacks (amsgrad=true ...), and
     torch's Adam (which ``prepare`` refuses under a bf16 recipe), are a ConfigError naming the fix."""
     import torch
 
-    from hyperacc.cli_config import Component
+    from hyperacc.tools.cli_config import Component
     from hyperacc.precision import get_recipe
 
     opt, recipe = cfg.optimizer, get_recipe(cfg.fsdp.precision)
@@ -102,18 +102,18 @@ def optimizer_config(cfg):
             if kwargs.pop(name, False):             # false (the default) is the same update: dropped
                 raise ConfigError(
                     f"optimizer.{name}={opt.kwargs[name]!r}: under {precision} torch.optim.AdamW runs as "
-                    "hyperacc.optim.AdamW (torch's would keep bf16 moments and round every update of the bf16 "
+                    "hyperacc.precision.adamw.AdamW (torch's would keep bf16 moments and round every update of the bf16 "
                     f"parameters to nearest), which has no {what}. Fix: drop optimizer.{name} (or set it to "
                     "false), or --fsdp.precision=fp32_master to train with torch.optim.AdamW itself.")
-        return Component("hyperacc.optim.AdamW", kwargs)
+        return Component("hyperacc.precision.adamw.AdamW", kwargs)
     if isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
-        from hyperacc.optim import AdamW
+        from hyperacc.precision.adamw import AdamW
         if not issubclass(cls, AdamW):
             raise ConfigError(
                 f"optimizer._target_={opt.target} under {precision}: {cls.__name__} (torch's Adam) would keep bf16 "
                 "moments and round every update of the bf16 parameters to nearest (small updates vanish), so "
-                "prepare refuses it. Fix: _target_: torch.optim.AdamW in the YAML (run here as hyperacc.optim.AdamW) "
-                f"or hyperacc.optim.AdamW (decoupled weight decay; {cls.__name__}'s weight_decay is an L2 term), or "
+                "prepare refuses it. Fix: _target_: torch.optim.AdamW in the YAML (run here as hyperacc.precision.adamw.AdamW) "
+                f"or hyperacc.precision.adamw.AdamW (decoupled weight decay; {cls.__name__}'s weight_decay is an L2 term), or "
                 f"--fsdp.precision=fp32_master to keep {opt.target}.")
     return opt
 
@@ -133,10 +133,10 @@ def check_attn_implementation(cfg, config=None):
     kernel that transformers or hyperacc registered (hyperacc's ``packed_sdpa`` included) -- checked here,
     not by transformers once the data is rendered and the model built. A hub kernel ("org/repo") passes:
     only loading it can tell."""
-    import hyperacc.packed_attention  # noqa: F401 - registers "packed_sdpa", as build_model does
+    import hyperacc.models.packed_attention  # noqa: F401 - registers "packed_sdpa", as build_model does
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, ALL_EXPERTS_FUNCTIONS
 
-    from hyperacc.components import _hint
+    from hyperacc.config.components import _hint
 
     name = cfg.model.attn_implementation
     known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
@@ -178,7 +178,7 @@ SWITCHES = (
 
 
 def check_switches(cfg, given):
-    """An option given (YAML or flag; ``given`` from `hyperacc.cli_config.given_keys`) while the switch
+    """An option given (YAML or flag; ``given`` from `hyperacc.tools.cli_config.given_keys`) while the switch
     that gives it a meaning is off would be ignored silently: refused, as ``--peft.*`` with
     ``peft.method=none`` is. Not when the switch was turned off after the option was given (a flag
     disabling what the YAML file configures), nor when the option holds its default value (it asks for
@@ -232,7 +232,7 @@ def check_transformers_for_tp_ep(cfg):
 
 def check_parallel(cfg, world_size):
     """The parallel sizes (YAML/CLI, else the launch environment) against the world size."""
-    from hyperacc.mesh import check_supported
+    from hyperacc.runtime.mesh import check_supported
     from exit_report import as_flags
     from hyperacc.parallel.context import PACKED_ROWS
     try:
@@ -246,8 +246,8 @@ def check_parallel(cfg, world_size):
 
 def check_compile(cfg):
     """--fsdp.compile*: a backend that exists and can generate code on this device, a mode that FSDP2
-    allows (`hyperacc.compilation.check_backend`), before any process group exists."""
-    from hyperacc.compilation import check_backend
+    allows (`hyperacc.sharding.compile.check_backend`), before any process group exists."""
+    from hyperacc.sharding.compile import check_backend
     from hyperacc.runtime import detect_device_type
     try:
         check_backend(cfg.fsdp, detect_device_type(), cfg.parallel)
@@ -288,7 +288,7 @@ def check_peft_layout(cfg):
 def check_peft_exports(cfg):
     """The export directories can be created, and hold nothing yet: hyperacc never writes over an
     export, and finding one only after training would lose the export (checked again when writing)."""
-    from hyperacc.training import check_output_path
+    from hyperacc.tools.preflight import check_output_path
 
     for name in PEFT_OUTPUTS:
         path = getattr(cfg.peft, name)

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Literal, Optional
 
-from hyperacc.cli_config import Component, ConfigError
+from hyperacc.tools.cli_config import Component, ConfigError
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
 from hyperacc.data.loader import micro_batches_per_step
 
@@ -204,7 +204,7 @@ class LRSchedulerConfig:
 
 @dataclasses.dataclass
 class LoggingConfig:
-    """Where step metrics go (see ``hyperacc.metrics.MetricsLogger``)."""
+    """Where step metrics go (see ``hyperacc.training.metrics.MetricsLogger``)."""
 
     metrics_file: Optional[str] = None
     logging_steps: int = 1

@@ -3,7 +3,7 @@
 import re
 
 from config_checks import check_peft_targets
-from hyperacc.cli_config import ConfigError
+from hyperacc.tools.cli_config import ConfigError
 
 
 def base_dtype(cfg, config, *, random_base=False):

@@ -148,7 +148,7 @@ def check_runnable(layouts: dict, steps: int, out_dir: str, extra: list) -> None
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
     import train_qwen
-    from hyperacc.cli_config import ConfigError
+    from hyperacc.tools.cli_config import ConfigError
 
     for name, layout in layouts.items():
         world = processes(layout)
@@ -183,7 +183,7 @@ def run(name: str, layout: dict, steps: int, out_dir: str, extra: list) -> dict:
     else:
         if REPO not in sys.path:
             sys.path.insert(0, REPO)
-        from hyperacc.launch_env import free_port
+        from hyperacc.config.launch_env import free_port
 
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", LAUNCH_CONFIG,
                "--num_processes", str(procs), "--main_process_port", str(free_port()), SCRIPT, *args]

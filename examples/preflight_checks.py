@@ -10,7 +10,7 @@ import os
 from config_checks import (check_attn_implementation, check_compile, check_parallel, check_peft_exports,
                            check_router_aux, check_transformers_for_tp_ep, optimizer_config)
 from config_schema import check_batch
-from hyperacc.cli_config import ConfigError, format_config
+from hyperacc.tools.cli_config import ConfigError, format_config
 from model_setup import build_model, model_config
 from resume_checks import check_checkpoint_start, check_resume_model
 
@@ -23,7 +23,7 @@ def check_peft_model(cfg, vocab_size):
 
 def memory_plan(cfg, world_size, vocab_size=None, device_type="cuda"):
     """The dry-run planner's ShardingPlan for this config on `world_size` ranks (meta model, no process group)."""
-    from hyperacc.dry_run import plan_sharding
+    from hyperacc.tools.dry_run import plan_sharding
 
     model = build_model(cfg, vocab_size=vocab_size)
     fsdp, p = cfg.fsdp, cfg.parallel
@@ -43,7 +43,7 @@ def memory_plan(cfg, world_size, vocab_size=None, device_type="cuda"):
 
 def check_fits(cfg, plan):
     """One ConfigError when the plan's device peak exceeds training.device_memory_gb."""
-    from hyperacc.dry_run import check_fits as plan_fits
+    from hyperacc.tools.dry_run import check_fits as plan_fits
 
     try:
         plan_fits(plan, cfg.training.device_memory_gb)
@@ -53,9 +53,9 @@ def check_fits(cfg, plan):
 
 def dry_run(cfg, world_size):
     """Plan the sharding for `world_size` ranks and estimate memory per rank; no process group."""
-    from hyperacc.dry_run import format_plan, write_report
+    from hyperacc.tools.dry_run import format_plan, write_report
     from hyperacc.runtime import DEVICE_ENV
-    from hyperacc.training import check_model_config
+    from hyperacc.tools.preflight import check_model_config
 
     vocab = None if "vocab_size" in cfg.model.overrides else _tokenizer(cfg)
     # The model config checks of preflight: a bad override is one line here too, not a traceback.
@@ -81,7 +81,7 @@ def preflight(cfg, world_size):
     Returns the tokenizer (train() sizes the model with it).
     """
     from hyperacc.precision import get_recipe
-    from hyperacc.training import check_dataset_path, check_model_config, check_optimizer, check_output_path
+    from hyperacc.tools.preflight import check_dataset_path, check_model_config, check_optimizer, check_output_path
 
     log, ck = cfg.logging, cfg.checkpoint
     problems, tokenizer = [], None

@@ -101,7 +101,7 @@ def train(layout: str, weights: str, out: str, steps: int, *, restore: str = Non
         flags.append(f"--checkpoint.restore_from={restore}")
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
-    from hyperacc.launch_env import free_port
+    from hyperacc.config.launch_env import free_port
 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", LAUNCH_CONFIG, "--num_processes", "8",
            "--main_process_port", str(free_port()), os.path.join(REPO, "examples", "train_qwen.py"),

@@ -32,7 +32,7 @@ from lora_setup import export_peft  # noqa: E402
 from model_setup import build_model, model_config  # noqa: E402,F401 - tests patch build_model here
 from preflight_checks import dry_run, memory_plan, preflight  # noqa: E402,F401
 from resume_checks import check_checkpoint_start  # noqa: E402,F401 - tests use it from here
-from hyperacc.cli_config import ConfigError, config_file, dump_config, format_config, given_keys, parse_config  # noqa: E402
+from hyperacc.tools.cli_config import ConfigError, config_file, dump_config, format_config, given_keys, parse_config  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3_moe_tiny.yaml")
 
@@ -121,10 +121,11 @@ def train(cfg, tokenizer):
 def run_job(cfg, tokenizer, acc):
     """Everything after the Accelerator: data, model, resume, the loop, the final save."""
     import hyperacc
-    from hyperacc.compilation import CompileWatch
-    from hyperacc.metrics import MetricsLogger, PeriodicCleanup
-    from hyperacc.training import (NonFiniteError, StepChecks, TokenIdError, check_same_config, evaluate,
-                                   lr_lambda_scheduler, param_groups)
+    from hyperacc.sharding.compile import CompileWatch
+    from hyperacc.training.metrics import MetricsLogger, PeriodicCleanup
+    from hyperacc.errors import NonFiniteError, TokenIdError
+    from hyperacc.training import check_same_config, evaluate, lr_lambda_scheduler, param_groups
+    from hyperacc.training.step_checks import StepChecks
 
     t, heartbeat = cfg.training, acc.runtime.heartbeat
     validate = t.mode == "validate"
@@ -235,12 +236,12 @@ def run_job(cfg, tokenizer, acc):
 
 
 def main(argv=None):
-    from hyperacc.training import NonFiniteError, TokenIdError
+    from hyperacc.errors import NonFiniteError, TokenIdError
     from hyperacc.checkpoint.lifecycle import CheckpointDirInUse
     from hyperacc.checkpoint.lock import CheckpointDirLocked, CheckpointDirNotShared
     from hyperacc.data.loader import DataResumeMismatch
-    from hyperacc.replica_guard import ReplicaMismatchError
-    from hyperacc.watchdog import CollectiveTimeout
+    from hyperacc.training.replica_guard import ReplicaMismatchError
+    from hyperacc.runtime.watchdog import CollectiveTimeout
 
     try:
         cfg, world = load_config(sys.argv[1:] if argv is None else argv)

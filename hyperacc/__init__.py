@@ -1,5 +1,8 @@
 """hyperacc: FSDP2 training for LLMs on NPU, CUDA and CPU with an accelerate-shaped API."""
+from hyperacc import _moved
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
+
+_moved.install()      # old module paths (hyperacc.optim, hyperacc.metrics, ...) still import
 
 __version__ = "0.1.0"
 __all__ = ["Accelerator", "ParallelConfig", "FSDPConfig", "CheckpointConfig", "MicroBatchDataLoader",
@@ -16,6 +19,6 @@ def __getattr__(name):
         from hyperacc.data.loader import MicroBatchDataLoader
         return MicroBatchDataLoader
     if name in ("ReplicaGuard", "ReplicaMismatchError"):
-        from hyperacc import replica_guard
+        from hyperacc.training import replica_guard
         return getattr(replica_guard, name)
     raise AttributeError(f"module 'hyperacc' has no attribute {name!r}")

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from dist_utils import REPO
-from hyperacc.cli_config import ConfigError
+from hyperacc.tools.cli_config import ConfigError
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
 

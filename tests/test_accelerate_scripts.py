@@ -4,7 +4,7 @@
 to tmp_path with its import line swapped to `from hyperacc import Accelerator` and run on 1 process
 (`python`) and on 2 (`accelerate launch` with accelerate_configs/cpu_fsdp2_2proc.yaml: FSDP2 over
 gloo); it must exit 0. Its model (RegressionModel) has only 0-d parameters, which FSDP2 refuses and
-hyperacc replicates (`hyperacc.replicated`); `test_dataloader_break` asserts that the loader
+hyperacc replicates (`hyperacc.sharding.replicated`); `test_dataloader_break` asserts that the loader
 `prepare()` returned is `gradient_state.active_dataloader`.
 
 Deviation (the "all sub-tests" runs only; the as-shipped runs have none): the script picks its

@@ -9,8 +9,8 @@ import torch
 
 from example_utils import config_error, load_example  # noqa: E402
 from dist_utils import REPO, run_python
-from hyperacc.cli_config import Component, ConfigError
-from hyperacc.training import check_optimizer
+from hyperacc.tools.cli_config import Component, ConfigError
+from hyperacc.tools.preflight import check_optimizer
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
 
@@ -65,7 +65,7 @@ def test_non_finite_optimizer_arguments_are_refused():
         check_optimizer(Component("torch.optim.AdamW", {"lr": math.inf}))
     for bad in ({"lr": math.nan}, {"eps": math.inf}, {"weight_decay": math.nan}, {"betas": (0.9, math.nan)}):
         with pytest.raises(ValueError, match="AdamW: "):
-            from hyperacc.optim import AdamW
+            from hyperacc.precision.adamw import AdamW
             AdamW([torch.nn.Parameter(torch.zeros(1))], **bad)
 
 
@@ -83,7 +83,7 @@ def test_amsgrad_under_bf16_sr_names_amsgrad_not_lr(example, tmp_path):
     config = tmp_path / "ams.yaml"
     config.write_text("optimizer:\n  _target_: torch.optim.AdamW\n  lr: 0.001\n  amsgrad: true\n")
     message = _config_error(example, [config, "--fsdp.precision=bf16_sr"], preflight=True)
-    assert "optimizer.amsgrad=True" in message and "hyperacc.optim.AdamW" in message, message
+    assert "optimizer.amsgrad=True" in message and "hyperacc.precision.adamw.AdamW" in message, message
     assert "drop optimizer.amsgrad" in message and "--fsdp.precision=fp32_master" in message, message
     assert "optimizer.lr" not in message, message
     # amsgrad=false is AdamW's own update: dropped, not refused
@@ -91,7 +91,7 @@ def test_amsgrad_under_bf16_sr_names_amsgrad_not_lr(example, tmp_path):
     assert example.optimizer_config(cfg).kwargs.get("amsgrad") is None
     # In general, a keyword the optimizer does not take is named, with the fix (not blamed on lr).
     with pytest.raises(ConfigError) as info:
-        check_optimizer(Component("hyperacc.optim.AdamW", {"lr": 1e-3, "amsgrad": True}))
+        check_optimizer(Component("hyperacc.precision.adamw.AdamW", {"lr": 1e-3, "amsgrad": True}))
     assert "'amsgrad'" in str(info.value) and "lr=3e-4" not in str(info.value), str(info.value)
 
 
@@ -216,7 +216,7 @@ def test_transformers_requirement_covers_tp_and_ep(example, monkeypatch):
 def _fake_checkpoint(example, root, step, max_steps):
     """A complete step directory (its .metadata) holding the config.yaml the example writes."""
     import yaml
-    from hyperacc.cli_config import dump_config
+    from hyperacc.tools.cli_config import dump_config
     path = root / f"global_step_{step}"
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"")

@@ -18,7 +18,7 @@ from hyperacc.checkpoint import discovery, storage
 from hyperacc.checkpoint.integrity import IntegrityError
 from hyperacc.config import CheckpointConfig
 from hyperacc.data import MicroBatchDataLoader
-from hyperacc.progress import Progress
+from hyperacc.runtime.progress import Progress
 
 
 class Data:

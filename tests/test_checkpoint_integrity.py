@@ -20,7 +20,7 @@ from dist_utils import REPO, _env, run_torchrun
 from hyperacc.checkpoint import Checkpointer, TrainState, discovery, integrity, storage
 from hyperacc.checkpoint.lock import CheckpointDirLocked
 from hyperacc.config import CheckpointConfig
-from hyperacc.progress import Progress
+from hyperacc.runtime.progress import Progress
 
 
 class Net(nn.Module):

@@ -1,4 +1,4 @@
-"""YAML + typed CLI overrides (hyperacc.cli_config): parsing, type checks, errors, _target_ nodes."""
+"""YAML + typed CLI overrides (hyperacc.tools.cli_config): parsing, type checks, errors, _target_ nodes."""
 import dataclasses
 from typing import List, Literal, Optional
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from examples.config_schema import TrainConfig
-from hyperacc.cli_config import (Component, ConfigError, build_config, config_help, dump_config, format_config,
+from hyperacc.tools.cli_config import (Component, ConfigError, build_config, config_help, dump_config, format_config,
                                  load_config, parse_config, save_config)
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
 

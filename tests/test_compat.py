@@ -11,7 +11,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dist_utils import REPO, _env, run_torchrun
-from hyperacc import compat
+from hyperacc.accelerator import compat
 
 
 def test_fsdp_plugin_maps_to_fsdp_config(monkeypatch):

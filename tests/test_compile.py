@@ -82,7 +82,7 @@ def bf16_job(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inductor_job(tmp_path_factory):
-    from hyperacc.compilation import _inductor_problem
+    from hyperacc.sharding.compile import _inductor_problem
     problem = _inductor_problem("cpu")
     if problem:
         pytest.skip(problem)

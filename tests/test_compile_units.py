@@ -11,7 +11,7 @@ import torch
 from accelerate.utils import TorchDynamoPlugin
 
 import hyperacc
-from hyperacc import compilation
+from hyperacc.sharding import compile as compilation
 from hyperacc.config import FSDPConfig, ParallelConfig
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 

@@ -118,7 +118,7 @@ def test_kv_heads_are_replicated_only_as_needed():
 
 
 def test_dry_run_accounts_activations_per_rank_with_cp():
-    from hyperacc.dry_run import plan_sharding
+    from hyperacc.tools.dry_run import plan_sharding
     from hyperacc.models import build_causal_lm, qwen3_moe_config
 
     model = build_causal_lm(qwen3_moe_config(), meta_device=True)

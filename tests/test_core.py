@@ -112,7 +112,7 @@ def test_dp_product_disagrees_with_world():
 
 
 def test_tp_and_cp_are_validated():
-    from hyperacc.mesh import check_supported
+    from hyperacc.runtime.mesh import check_supported
     with pytest.raises(ValueError, match="not divisible"):
         ParallelConfig(tp_size=3).resolved(4)
     with pytest.raises(ValueError, match="not divisible"):
@@ -155,7 +155,7 @@ def test_model_without_block_class_warns_and_wraps_root(acc):
 
 
 def test_cpu_offload_on_cpu_warns_once_and_trains():
-    from hyperacc.sharding import _policies
+    from hyperacc.sharding.fsdp import _policies
     from hyperacc.config import FSDPConfig
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

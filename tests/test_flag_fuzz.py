@@ -26,8 +26,8 @@ import yaml
 
 from dist_utils import REPO, run_accelerate
 from example_utils import load_example
-from hyperacc.cli_config import ConfigError
-from hyperacc.components import Component
+from hyperacc.tools.cli_config import ConfigError
+from hyperacc.config.components import Component
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
 CPU2 = REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
@@ -231,7 +231,7 @@ def test_a_config_file_named_config_yaml_in_the_checkpoint_dir_is_refused(exampl
 def test_a_saved_run_config_is_a_usable_config_file(example, tmp_path):
     """A run's saved config.yaml lists every field, switch options at their defaults included: it must load
     (the switch-off refusal is for options that ask for something)."""
-    from hyperacc.cli_config import dump_config
+    from hyperacc.tools.cli_config import dump_config
 
     cfg, _ = example.load_config([])
     saved = tmp_path / "saved.yaml"

@@ -23,7 +23,7 @@ ARGS = ["--training.max_steps=6", "--logging.logging_steps=3", "--eval.eval_step
 def _check(steps, per_step_collectives):
     assert [(s["step"], s["logging"]) for s in steps] == [(n, n % 3 == 0) for n in range(1, 7)]
     for s in steps:
-        stats = [c for c in s["host_collectives"] if "hyperacc/accumulation.py" in c]
+        stats = [c for c in s["host_collectives"] if "hyperacc/training/accumulation.py" in c]
         assert len(stats) == per_step_collectives, s
         if not s["logging"]:
             assert s["reads"] == [] and len(s["host_collectives"]) == per_step_collectives, s

@@ -117,7 +117,7 @@ def test_packed_rows_under_tp_and_ep(moe_runs, layout, tmp_path):
 
 def test_packed_and_padded_steps_agree_dense(dense_dir, tmp_path, hyperacc_cache):
     """On Megatron chat files (ids + loss mask, written by the converter) and a dense model: padded with sdpa,
-    packed with packed_sdpa (attention on each conversation's slice: hyperacc.packed_attention)."""
+    packed with packed_sdpa (attention on each conversation's slice: hyperacc.models.packed_attention)."""
     from hyperacc.data.convert import convert
 
     records = tmp_path / "chat.jsonl"

@@ -1,4 +1,4 @@
-"""The dry run's activation term (hyperacc.dry_run) against a real Qwen3-MoE on CPU, one process.
+"""The dry run's activation term (hyperacc.tools.dry_run) against a real Qwen3-MoE on CPU, one process.
 
 What autograd saves is measured with saved-tensor hooks (one block, no recompute); what forward +
 backward hold at their peak under recompute -- every block's input, then one block re-materialised
@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from hyperacc.dry_run import activation_bytes, block_activations, plan_sharding
+from hyperacc.tools.dry_run import activation_bytes, block_activations, plan_sharding
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 from hyperacc.sharding import block_classes, enable_recompute, find_blocks
 

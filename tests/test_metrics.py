@@ -1,4 +1,4 @@
-"""Step metrics (hyperacc.metrics): JSONL sink (one record per optimizer step), log cadence, resume,
+"""Step metrics (hyperacc.training.metrics): JSONL sink (one record per optimizer step), log cadence, resume,
 custom and TensorBoard sinks, and a 2-rank gloo run (one collective per logging step, none on the
 others)."""
 import gc
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_utils import run_torchrun
-from hyperacc.metrics import MetricsLogger, MetricsSink, PeriodicCleanup, StepTimer, device_memory_gib
+from hyperacc.training.metrics import MetricsLogger, MetricsSink, PeriodicCleanup, StepTimer, device_memory_gib
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 REQUIRED = {"step", "epoch", "loss", "grad_norm", "lr", "step_time", "tokens_per_second"}
@@ -120,7 +120,7 @@ def test_tensorboard_missing_warns(tmp_path):
         pytest.skip("tensorboard installed")
     except ImportError:
         pass
-    import hyperacc.metrics_sinks as metrics_sinks
+    import hyperacc.training.metrics_sinks as metrics_sinks
     metrics_sinks._TB_WARNED = False
     with pytest.warns(UserWarning, match="tensorboard is not installed"):
         MetricsLogger(tensorboard_dir=str(tmp_path / "tb"), progress_bar=False).close()

@@ -25,7 +25,7 @@ def _model(kind, attn):
     from transformers import Qwen3Config
 
     from hyperacc.models import build_causal_lm, qwen3_moe_config
-    from hyperacc.router_aux import SequenceAuxLoss
+    from hyperacc.training.router_aux import SequenceAuxLoss
 
     torch.manual_seed(0)
     if kind == "dense":
@@ -86,7 +86,7 @@ def test_pack_collate_refuses_what_it_cannot_pack(bad, needle):
 def test_packed_equals_samples_one_by_one(kind, attn):
     """Loss and gradients of one packed row == the token-weighted mean of the samples run alone,
     unpadded (plus, for MoE, the mean of their own sequence-wise aux terms)."""
-    from hyperacc import packed_attention
+    from hyperacc.models import packed_attention
 
     model = _model(kind, attn)
     samples = _samples()
@@ -160,7 +160,7 @@ def test_packed_sdpa_takes_the_sample_path_only_for_the_exact_block_mask():
     is the block-diagonal causal mask of the position_ids restarts (a padding mask, a window: fallback)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from hyperacc import packed_attention as pa
+    from hyperacc.models import packed_attention as pa
 
     positions = pack_collate(_samples())["position_ids"]
     block = pa._block_causal(sequence_index(positions)[0])

@@ -200,7 +200,7 @@ def test_model_without_tp_plan_is_an_error():
 
 
 def test_cp_is_accepted_by_the_mesh_checks():      # context parallelism: tests/test_context_parallel.py
-    from hyperacc.mesh import check_supported
+    from hyperacc.runtime.mesh import check_supported
     check_supported(ParallelConfig(cp_size=2).resolved(4))
 
 

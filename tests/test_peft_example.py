@@ -254,7 +254,7 @@ def test_dry_run_plans_the_lora_memory(example, capsys):
     assert lora.device_bytes < full.device_bytes
 
 
-# ----------------------------------------------------------------------------- the planner (hyperacc.dry_run)
+# ----------------------------------------------------------------------------- the planner (hyperacc.tools.dry_run)
 def _lora_model(**lora):
     from peft import LoraConfig, get_peft_model
 
@@ -265,7 +265,7 @@ def _lora_model(**lora):
 
 
 def test_plan_counts_frozen_parameters_in_their_dtype_without_grads_or_states():
-    from hyperacc.dry_run import format_plan, plan_report, plan_sharding
+    from hyperacc.tools.dry_run import format_plan, plan_report, plan_sharding
 
     model = _lora_model()
     plan = plan_sharding(model, world_size=2, device_type="cpu")
@@ -289,7 +289,7 @@ MEASURE = """
 import json, sys, torch
 from peft import LoraConfig, get_peft_model
 import hyperacc
-from hyperacc.dry_run import plan_sharding
+from hyperacc.tools.dry_run import plan_sharding
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 
 def local(t):
@@ -328,7 +328,7 @@ def test_plan_is_what_prepare_stores(tmp_path):
 
 
 def test_plan_of_frozen_parameters_outside_peft_and_refused_layouts():
-    from hyperacc.dry_run import plan_sharding
+    from hyperacc.tools.dry_run import plan_sharding
 
     model = build_causal_lm(qwen3_moe_config(), meta_device=True)
     model.model.embed_tokens.weight.requires_grad_(False)        # prepare casts it (no PEFT): the recipe's dtype

@@ -1,4 +1,4 @@
-"""Precision recipes (hyperacc.precision), the AdamW that serves them (hyperacc.optim) and the dry
+"""Precision recipes (hyperacc.precision), the AdamW that serves them (hyperacc.precision.adamw) and the dry
 run's plan of them; one process, no launcher. The multi-process parts (sharded bf16 training,
 checkpoints across recipes, HF export dtype) are in tests/scripts/precision_run.py."""
 import json
@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from dist_utils import REPO, run_python, run_torchrun
-from hyperacc import FSDPConfig, optim, rounding
+from hyperacc import FSDPConfig
+from hyperacc.precision import adamw as optim
+from hyperacc.precision import rounding
 from hyperacc.precision import RECIPES, adapt_optimizer, check_recipe, get_recipe
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
@@ -133,7 +135,7 @@ def test_bad_recipes_fail_with_one_clear_line():
         with pytest.raises(ValueError, match="needs bf16, which this cuda device does not support"):
             check_recipe(get_recipe("bf16_sr"), mixed_precision=None, device_type="cuda", has_loss_scaler=False)
     p = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="hyperacc.optim.AdamW"):
+    with pytest.raises(ValueError, match="hyperacc.precision.adamw.AdamW"):
         adapt_optimizer(torch.optim.AdamW([p]), get_recipe("bf16"))
     adapt_optimizer(torch.optim.AdamW([p]), get_recipe("fp32_master"))      # fine: fp32 master weights
 

@@ -99,7 +99,7 @@ def test_element_indices_match_torchs_own_sharding(tmp_path, world):
 
 
 def test_the_guard_refuses_a_nonsense_interval():
-    from hyperacc.replica_guard import ReplicaGuard
+    from hyperacc.training.replica_guard import ReplicaGuard
 
     for bad in (-1, 2.5, "10", True):
         with pytest.raises(ValueError, match="whole number of steps"):

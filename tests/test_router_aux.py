@@ -1,4 +1,4 @@
-"""The sequence-wise MoE load-balancing loss (hyperacc.router_aux): its value against transformers'
+"""The sequence-wise MoE load-balancing loss (hyperacc.training.router_aux): its value against transformers'
 own formula applied to one sequence at a time, and that it is the same in every layout (real
 processes, gloo, fp32) while transformers' per-micro-batch loss is not."""
 import pytest
@@ -50,7 +50,7 @@ def test_sequence_wise_value_is_transformers_formula_per_sequence():
 
 
 def test_bad_modes_are_one_clear_error():
-    from hyperacc.router_aux import check_mode
+    from hyperacc.training.router_aux import check_mode
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     moe = build_causal_lm(qwen3_moe_config(), meta_device=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hyperacc
-from hyperacc.step_checks import NonFiniteError, StepChecks
+from hyperacc.training.step_checks import NonFiniteError, StepChecks
 
 NAN = float("nan")
 

@@ -154,7 +154,8 @@ def test_converter_cli_errors(models, tmp_path, capsys):
 
 # --------------------------------------------------------------------------- bad input, in-process
 def _load_in_process(directory):
-    from hyperacc.weights.load import build_for_sharded_load, fill_shards
+    from hyperacc.models.build import build_for_sharded_load
+    from hyperacc.weights.load import fill_shards
 
     model = build_for_sharded_load(str(directory))
     model.to_empty(device="cpu")
@@ -174,7 +175,7 @@ def test_in_process_load_equals_from_pretrained(models):
     ref = AutoModelForCausalLM.from_pretrained(models / "moe")
     for (n, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(a, b), n
-    bf16 = __import__("hyperacc.weights.load", fromlist=["x"]).build_for_sharded_load(str(models / "moe"), dtype=torch.bfloat16)
+    bf16 = __import__("hyperacc.models.build", fromlist=["x"]).build_for_sharded_load(str(models / "moe"), dtype=torch.bfloat16)
     assert next(bf16.parameters()).dtype == torch.bfloat16
 
 

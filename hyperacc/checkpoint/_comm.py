@@ -11,6 +11,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from hyperacc.errors import _FORWARDED, forwarded  # noqa: F401 - forwarded: re-exported for old callers
+
 
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -60,14 +62,6 @@ def all_true(flag: bool, group=None) -> bool:
 
 
 _RAISABLE = (FileNotFoundError, FileExistsError, RuntimeError, ValueError, KeyError, TypeError)
-_FORWARDED: dict = {}      # hyperacc's own error classes, re-raised as themselves on every rank
-
-
-def forwarded(cls):
-    """Class decorator: an error of this class raised on rank 0 by `decide_on_rank0` is raised as the
-    same class on every rank (callers catch it by type, e.g. the example's one-line config errors)."""
-    _FORWARDED[cls.__name__] = cls
-    return cls
 
 
 def decide_on_rank0(fn: Callable[[], object], group=None):

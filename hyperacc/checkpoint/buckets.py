@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from hyperacc.checkpoint import _comm
 from hyperacc.checkpoint.optim_state import canonical_name
-from hyperacc.progress import Progress
+from hyperacc.runtime.progress import Progress
 from hyperacc.sharding import reshard
 
 logger = logging.getLogger("hyperacc.checkpoint")

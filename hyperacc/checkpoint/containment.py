@@ -15,16 +15,12 @@ import shutil
 from typing import Union
 
 from hyperacc.checkpoint import _comm
+from hyperacc.errors import ForeignPathError  # noqa: F401 - defined with every error class
 
 logger = logging.getLogger("hyperacc.checkpoint")
 
 RUN_CONFIG_FILE = "config.yaml"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-@_comm.forwarded
-class ForeignPathError(RuntimeError):
-    """hyperacc was about to write into or delete something it does not own (a symlink)."""
 
 
 def is_foreign(path: str) -> bool:

@@ -30,14 +30,12 @@ from hyperacc.checkpoint import buckets, containment, discovery, integrity, rest
 from hyperacc.weights import layout
 from hyperacc.weights.export import entry_groups, hf_config, piece_of, write_metadata
 from hyperacc.weights.files import WeightFiles, WeightsError, resolve_model_dir
-from hyperacc.weights.load import build_for_sharded_load, plan
+from hyperacc.models.build import build_for_sharded_load
+from hyperacc.weights.load import plan
 from hyperacc.weights.writer import RankWriter, plan_files, write_index
+from hyperacc.errors import ConvertError  # noqa: F401 - defined with every error class
 
 MODEL_ONLY = "model"     # the sentinel's "contents" for a checkpoint that holds weights only
-
-
-class ConvertError(ValueError):
-    """Bad input for the converter: one line naming the problem and the fix."""
 
 
 # --------------------------------------------------------------------------- output directories

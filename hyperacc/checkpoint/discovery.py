@@ -12,6 +12,7 @@ import warnings
 from typing import List, Optional, Tuple
 
 from hyperacc.checkpoint import _comm, containment
+from hyperacc.errors import ForeignCheckpointError  # noqa: F401 - defined with every error class
 
 POINTER_FILE = "latest_checkpoint_iteration.txt"
 METADATA_FILE = ".metadata"
@@ -127,12 +128,6 @@ def resolve_source(source: str, checkpoint_dir: str) -> Optional[str]:
                             "that wrote it did not finish) and holds no complete global_step_<N> "
                             "directory. Fix: CheckpointConfig.restore_from=<a complete global_step_<N> directory or "
                             "a checkpoint root> (load_state's source), or 'LATEST'.")
-
-
-@_comm.forwarded
-class ForeignCheckpointError(ValueError):
-    """A directory holds another tool's checkpoint (accelerate's, transformers' Trainer's, a Hugging Face
-    model): `load_state` cannot restore it exactly and `save_state` never writes into it."""
 
 
 # Names that say who wrote a directory that is not a hyperacc checkpoint (accelerate's `save_state`:

@@ -28,16 +28,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from hyperacc.checkpoint import _comm, containment
+from hyperacc.errors import IntegrityError  # noqa: F401 - defined with every error class
 
 ALGORITHM = "xxh3_128"
 MANIFEST_FILE = "hyperacc_manifest.json"
 _DIGEST_FQN = "__hyperacc_file_digest__/"   # marks the write results that carry digests, not data
 _CHUNK = 8 << 20
-
-
-@_comm.forwarded
-class IntegrityError(RuntimeError):
-    """A checkpoint's files do not match its manifest (or the manifest is missing/unreadable)."""
 
 
 def digest_bytes(data) -> dict:

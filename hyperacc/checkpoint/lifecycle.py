@@ -34,13 +34,9 @@ import warnings
 from typing import Iterable, List, Optional
 
 from hyperacc.checkpoint import _comm, containment, discovery
+from hyperacc.errors import CheckpointDirInUse  # noqa: F401 - defined with every error class
 
 logger = logging.getLogger("hyperacc.checkpoint")
-
-
-@_comm.forwarded
-class CheckpointDirInUse(RuntimeError):
-    """The run would mix its checkpoints with those of another run in one checkpoint_dir."""
 
 
 def manages(root: str, path: str) -> bool:

@@ -20,6 +20,8 @@ import time
 from typing import Optional
 
 from hyperacc.checkpoint import _comm, containment
+from hyperacc.errors import CheckpointDirLocked  # noqa: F401 - defined with every error class
+from hyperacc.errors import CheckpointDirNotShared  # noqa: F401 - defined with every error class
 
 try:
     import fcntl
@@ -27,17 +29,6 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks, no single-
     fcntl = None
 
 LOCK_FILE = ".hyperacc.lock"
-
-
-@_comm.forwarded
-class CheckpointDirLocked(RuntimeError):
-    """Another job holds the checkpoint directory."""
-
-
-@_comm.forwarded
-class CheckpointDirNotShared(RuntimeError):
-    """A rank does not see the checkpoint directory rank 0 writes (another node's local disk), or
-    uses another one; raised on every rank alike."""
 
 
 def lock_shared(lock: "DirLock", checkpoint_dir: str, group=None) -> None:

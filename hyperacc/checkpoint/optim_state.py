@@ -118,7 +118,7 @@ def split_state_key(rest: str, names: List[str]) -> tuple:
 
 # --------------------------------------------------------------------------- load: tensors
 def live_state_dtype(optimizer, param: torch.Tensor) -> torch.dtype:
-    """The dtype ``optimizer`` keeps a parameter-shaped state in: `hyperacc.optim.AdamW`'s
+    """The dtype ``optimizer`` keeps a parameter-shaped state in: `hyperacc.precision.adamw.AdamW`'s
     ``state_dtype``, else the parameter's own (torch's optimizers use ``zeros_like(param)``)."""
     return getattr(optimizer, "state_dtype", None) or param.dtype
 

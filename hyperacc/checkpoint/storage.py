@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 from hyperacc.checkpoint import _comm, containment, integrity
+from hyperacc.errors import UnsafeCheckpointError  # noqa: F401 - defined with every error class
 
 SENTINEL_FILE = "hyperacc_checkpoint.json"
 EXTRA_STATE_DIR = "extra_state"
@@ -36,9 +37,6 @@ def extra_state_path(path: str, rank: int) -> str:
 
 
 # --------------------------------------------------------------------------- safe deserialisation
-@_comm.forwarded
-class UnsafeCheckpointError(RuntimeError):
-    """A checkpoint file holds something other than tensors and plain values."""
 
 
 def load_weights_only(source, what: str):

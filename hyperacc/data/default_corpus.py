@@ -32,7 +32,7 @@ import sysconfig
 import tempfile
 from typing import List, Optional, Sequence, Tuple
 
-from hyperacc.launch_env import env_value
+from hyperacc.config.launch_env import env_value
 
 __all__ = [
     "DEFAULT_MODULES",

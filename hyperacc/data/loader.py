@@ -31,15 +31,11 @@ from torch.utils.data import DataLoader
 
 from hyperacc.data.collate import check_batch, default_collate
 from hyperacc.data.prefetch import Prefetcher
+from hyperacc.errors import DataResumeMismatch  # noqa: F401 - defined with every error class
 
 __all__ = ["DataResumeMismatch", "MicroBatchDataLoader", "STATE_VERSION", "micro_batches_per_step"]
 
 STATE_VERSION = 1
-
-
-class DataResumeMismatch(ValueError):
-    """The data or global batch size differs from the checkpoint's (``resume_mismatch='error'``): its
-    own class, so that a script reports it as the configuration problem it is, not as a crash."""
 
 
 _PERM_CACHE = 2          # epochs whose permutation is kept (the current one and one looked up)

@@ -27,6 +27,7 @@ import struct
 from typing import Optional, Union
 
 import numpy as np
+from hyperacc.errors import IndexedDatasetError  # noqa: F401 - defined with every error class
 
 __all__ = [
     "IndexedDataset",
@@ -48,10 +49,6 @@ _CODE_TO_DTYPE = {
 _DTYPE_TO_CODE = {np.dtype(v): k for k, v in _CODE_TO_DTYPE.items()}
 # The token dtypes a writer accepts (Megatron only ever writes these two for tokens).
 _TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.int32))
-
-
-class IndexedDatasetError(ValueError):
-    """A ``.bin``/``.idx`` pair is missing, truncated, foreign or inconsistent."""
 
 
 def optimal_dtype(vocab_size: Optional[int]):

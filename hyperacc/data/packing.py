@@ -21,16 +21,16 @@ predecessor + 1.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
+from hyperacc.batch import (  # noqa: F401 - the packed-row conventions, re-exported
+    IGNORE_INDEX, PACKED_FIELDS, count_sequences, is_packed, packed_boundaries, sequence_index)
 from hyperacc.data.collate import _samples_as_mappings, _to_tensor
 
 __all__ = ["pack_collate", "is_packed", "sequence_index", "count_sequences", "PACKED_FIELDS"]
 
-IGNORE_INDEX = -100
-PACKED_FIELDS = ("input_ids", "labels")
 
 
 def pack_collate(samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
@@ -63,32 +63,3 @@ def pack_collate(samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor
         positions.append(torch.arange(x.numel(), dtype=torch.long))
     return {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None],
             "position_ids": torch.cat(positions)[None]}
-
-
-def is_packed(micro_batch: Mapping) -> bool:
-    """Whether a micro-batch's rows may hold several samples: ``position_ids`` and no attention mask
-    (the form in which transformers looks for restarts)."""
-    return torch.is_tensor(micro_batch.get("position_ids")) and micro_batch.get("attention_mask") is None
-
-
-def sequence_index(position_ids: torch.Tensor) -> torch.Tensor:
-    """``[rows, length]`` -> the index of each token's sample within its row (0, 0, 1, 1, 1, 2, ...)."""
-    step = torch.ones_like(position_ids, dtype=torch.bool)
-    step[:, 1:] = (position_ids[:, 1:] - position_ids[:, :-1]) != 1
-    step[:, 0] = False
-    return step.to(torch.long).cumsum(dim=1)
-
-
-def count_sequences(micro_batch: Mapping) -> int:
-    """Samples in a micro-batch: one per row, or, in packed rows, one per run of consecutive positions."""
-    rows = int(micro_batch["labels"].shape[0])
-    if not is_packed(micro_batch) or micro_batch["position_ids"].numel() == 0:
-        return rows
-    return int(sequence_index(micro_batch["position_ids"])[:, -1].sum()) + rows
-
-
-def packed_boundaries(micro_batch: Mapping) -> Optional[int]:
-    """How many sample boundaries the packed rows of ``micro_batch`` hold (None if not packed)."""
-    if not is_packed(micro_batch):
-        return None
-    return count_sequences(micro_batch) - int(micro_batch["labels"].shape[0])

@@ -257,7 +257,7 @@ def broadcast_adapters(model: nn.Module, device: torch.device) -> None:
 @torch.no_grad()
 def write_values(model: nn.Module, values: Dict[str, torch.Tensor]) -> None:
     """Copy full-size ``values`` into the (sharded) tensors of those names; each rank keeps its slice."""
-    from hyperacc.sharding import _copy_into
+    from hyperacc.sharding.fsdp import _copy_into
 
     if not values:
         return

@@ -1,6 +1,6 @@
 """A prepared PEFT model at run time under FSDP2: dtypes between fp32 trainable copies and a bf16
 frozen base, and PEFT's adapter switches (which toggle ``requires_grad``) on resharded units.
-Installed by `hyperacc.model_setup` after sharding."""
+Installed by `hyperacc.models.setup` after sharding."""
 from __future__ import annotations
 
 import contextlib

@@ -50,7 +50,7 @@ class HyperaccTrainerMixin:
         from accelerate.utils import DataLoaderConfiguration, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
 
         from hyperacc.accelerator import Accelerator
-        from hyperacc.compat import accelerate_switches_off
+        from hyperacc.accelerator.compat import accelerate_switches_off
         from hyperacc.config import FSDPConfig
 
         problems = trainer_args.refused_options(self.args)

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hyperacc.data.packing import packed_boundaries
+from hyperacc.batch import packed_boundaries
 
 IGNORE_INDEX = -100
 _KEYS = itertools.count()
@@ -185,7 +185,7 @@ class ContextParallel:
         return out
 
     def take_token_mask(self, module, args, kwargs):
-        """Forward pre-hook: keep the piece's padding mask (e.g. for `hyperacc.router_aux`), out of
+        """Forward pre-hook: keep the piece's padding mask (e.g. for `hyperacc.training.router_aux`), out of
         the model's arguments."""
         self.token_mask = kwargs.pop(TOKEN_MASK_KEY, None)
         return args, kwargs

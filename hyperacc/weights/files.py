@@ -12,6 +12,7 @@ import os
 from typing import Dict, Optional, Tuple
 
 import torch
+from hyperacc.errors import WeightsError  # noqa: F401 - defined with every error class
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -21,10 +22,6 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 SAFETENSORS_DTYPE = {dtype: name for name, dtype in _DTYPES.items()}
-
-
-class WeightsError(ValueError):
-    """The weights do not fit the model (or cannot be read): one line naming the key or file."""
 
 
 def resolve_model_dir(path_or_id: str) -> str:

@@ -38,28 +38,6 @@ def source_of(model: nn.Module) -> Optional[WeightsSource]:
     return getattr(model, SOURCE_ATTR, None)
 
 
-def build_for_sharded_load(path_or_id: str, *, dtype=None, attn_implementation: str = "eager") -> nn.Module:
-    """The model of ``path_or_id`` on the meta device (no memory), remembering its weight files;
-    `fill_shards` loads them after sharding. ``dtype``: None keeps the checkpoint's (config's)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    import hyperacc.packed_attention  # noqa: F401  (registers "packed_sdpa" with transformers)
-
-    directory = resolve_model_dir(path_or_id)
-    if not has_safetensors(directory):
-        raise WeightsError(f"{directory} holds no model.safetensors or model.safetensors.index.json: hyperacc "
-                           "loads safetensors weights only (re-save *.bin weights with save_pretrained).")
-    config = AutoConfig.from_pretrained(directory)
-    dtype = dtype or getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    model.name_or_path = path_or_id
-    setattr(model, SOURCE_ATTR, WeightsSource(directory, dtype))
-    return model
-
-
 # --------------------------------------------------------------------------- plan
 def checkpoint_keys(model: nn.Module) -> Dict[str, Optional[str]]:
     """Tensor name -> its name in the base model's checkpoint (None: a PEFT adapter's own tensor,

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 
 from hyperacc.checkpoint import Checkpointer, TrainState
 from hyperacc.config import CheckpointConfig
-from hyperacc.progress import Progress
+from hyperacc.runtime.progress import Progress
 
 
 class Net(torch.nn.Module):

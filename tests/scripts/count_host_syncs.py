@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import train_qwen  # noqa: E402
-from hyperacc.metrics import MetricsLogger  # noqa: E402
+from hyperacc.training.metrics import MetricsLogger  # noqa: E402
 
 TORCH = os.path.dirname(torch.__file__)
 OURS = (os.path.join(REPO, "hyperacc"), os.path.join(REPO, "examples"))

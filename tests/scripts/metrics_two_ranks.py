@@ -10,7 +10,7 @@ import sys
 
 import torch.distributed as dist
 
-from hyperacc.metrics import MetricsLogger
+from hyperacc.training.metrics import MetricsLogger
 
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce", "broadcast", "gather",
                "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",

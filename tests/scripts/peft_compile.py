@@ -7,7 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import hyperacc
-from hyperacc.compilation import compiled_frames
+from hyperacc.sharding.compile import compiled_frames
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 
 

@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 import hyperacc
 from hyperacc.integrations.peft import export_adapter, export_merged
 from hyperacc.models import build_causal_lm, load_pretrained, qwen3_moe_config
-from hyperacc.optim import AdamW
+from hyperacc.precision.adamw import AdamW
 
 SEQ = 16
 GLOBAL_BATCH = 4

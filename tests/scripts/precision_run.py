@@ -14,7 +14,7 @@ import torch
 
 import hyperacc
 from hyperacc.models import build_causal_lm, qwen3_moe_config
-from hyperacc.optim import AdamW
+from hyperacc.precision.adamw import AdamW
 
 SEQ, VOCAB = 16, 512
 

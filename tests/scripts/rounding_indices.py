@@ -1,4 +1,4 @@
-"""TEST ONLY: hyperacc.rounding.element_indices against torch's own sharding, on real ranks.
+"""TEST ONLY: hyperacc.precision.rounding.element_indices against torch's own sharding, on real ranks.
 
     torchrun --nproc_per_node=2|4 rounding_indices.py OUT.json
 For shapes (even, uneven, 1-D, 3-D) and placements (Shard on each dim, Replicate, 2-D meshes with
@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard  # private: the placement FSDP2 + TP create
 
-from hyperacc.rounding import dim_positions, element_indices
+from hyperacc.precision.rounding import dim_positions, element_indices
 
 
 def cases(world):

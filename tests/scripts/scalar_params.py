@@ -1,6 +1,6 @@
 """0-d (scalar) parameters under hyperacc, on any number of processes (tests/test_accelerate_scripts.py).
 
-FSDP2 refuses 0-d parameters; hyperacc keeps them whole on every rank (`hyperacc.replicated`). The
+FSDP2 refuses 0-d parameters; hyperacc keeps them whole on every rank (`hyperacc.sharding.replicated`). The
 model has two of them (``a``, ``b``) beside FSDP-sharded ones, among them ``w``: a 1-element 1-D
 twin of ``a`` (the forward uses both the same way, so their local gradients are the same numbers).
 

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 import hyperacc
-from hyperacc import optim as hyperacc_optim
-from hyperacc.compilation import compiled_frames
+from hyperacc.precision import adamw as hyperacc_optim
+from hyperacc.sharding.compile import compiled_frames
 from hyperacc.data.collate import pad_collate
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 from train_tiny import TokenDataset
@@ -123,7 +123,7 @@ def main():
     parser.add_argument("--compile", default="aot_eager", help="torch.compile backend of the '+c' layouts")
     parser.add_argument("--precision", default=None, help="FSDPConfig.precision of every layout")
     parser.add_argument("--optim", default="torch", choices=["torch", "hyperacc"],
-                        help="torch.optim.AdamW, or hyperacc.optim.AdamW (which the bf16 recipes need)")
+                        help="torch.optim.AdamW, or hyperacc.precision.adamw.AdamW (which the bf16 recipes need)")
     parser.add_argument("--aux-mode", default=None, help="Accelerator(router_aux_loss=...): sequence | micro_batch")
     parser.add_argument("--aux-coef", type=float, default=0.01)
     parser.add_argument("--pad-multiple", type=int, default=None)
