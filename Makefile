@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hyperacc-installed
 
-.PHONY: demo test test-all bench rehearse
+.PHONY: demo lint test test-all bench rehearse
 
 $(STAMP): setup.py
 	python3 -m venv $(VENV)
@@ -16,7 +16,10 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml examples/train_qwen.py
 
-test: $(STAMP)
+lint: $(STAMP)   # the layers contract (.importlinter): a module imports only its own layer or a lower one
+	$(VENV)/bin/lint-imports --no-cache
+
+test: $(STAMP) lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
 test-all: $(STAMP)   # also the slow set: every layout and resume case (~2x longer)

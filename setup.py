@@ -25,7 +25,7 @@ setup(
         "xxhash>=3.0",
     ],
     extras_require={
-        "test": ["pytest>=7", "megatron-core==0.16.1", "peft>=0.21,<0.22", "trl>=1.16,<1.17"],
+        "test": ["pytest>=7", "megatron-core==0.16.1", "peft>=0.21,<0.22", "trl>=1.16,<1.17", "import-linter>=2.1"],
         "peft": ["peft>=0.21"],
         "trl": ["trl>=1.16"],
         "npu": ["torch-npu"],
