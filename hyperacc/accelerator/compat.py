@@ -17,7 +17,9 @@ from typing import Optional
 
 import torch
 
+from hyperacc import kinds
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
+from hyperacc.config.compile import apply_dynamo_arguments
 from hyperacc.config.launch_env import env_flag, env_hidden
 
 
@@ -157,7 +159,6 @@ def resolve_configs(*, parallel, fsdp, checkpoint, parallelism_config, fsdp_plug
         fsdp = fsdp_config_from_plugin(fsdp_plugin, mixed_precision)
     else:
         _precision_argument(mixed_precision)      # fp8 is refused either way
-    from hyperacc.sharding.compile import apply_dynamo_arguments
 
     fsdp = apply_dynamo_arguments(_checked(fsdp, FSDPConfig), dynamo_backend, dynamo_plugin)
     return _checked(parallel, ParallelConfig), fsdp, _checked(checkpoint, CheckpointConfig)
@@ -213,17 +214,11 @@ def add_script_conveniences(model: torch.nn.Module, accelerator) -> None:
 
 
 def _save_pretrained_full(model, accelerator, *args, state_dict=None, **kwargs):
-    from hyperacc.integrations import peft
-
-    if peft.is_peft_model(model):
-        # PEFT filters the adapters out of the state dict on every rank, even where it writes nothing
-        # (accelerate's get_state_dict is empty there: KeyError): only the main process calls it.
-        if state_dict is None:
-            from hyperacc.integrations.peft_export import adapter_state_dict
-
-            state_dict = adapter_state_dict(model)      # collective, adapters only
-        if not kwargs.get("is_main_process", accelerator.is_main_process):
-            return None
-    elif state_dict is None:
-        state_dict = accelerator.get_state_dict(model)
+    kind = kinds.for_model(model)
+    if state_dict is None:      # collective: every rank (a PEFT model's: its adapters only)
+        state_dict = kind.pretrained_state_dict(model, accelerator.get_state_dict)
+    if kind.save_pretrained_on_main_only and not kwargs.get("is_main_process", accelerator.is_main_process):
+        # e.g. PEFT filters the adapters out of the state dict on every rank, even where it writes nothing
+        # (accelerate's get_state_dict is empty there: KeyError).
+        return None
     return type(model).save_pretrained(model, *args, state_dict=state_dict, **kwargs)

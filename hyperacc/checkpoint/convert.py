@@ -30,7 +30,9 @@ from hyperacc.checkpoint import buckets, containment, discovery, integrity, rest
 from hyperacc.weights import layout
 from hyperacc.weights.export import entry_groups, hf_config, piece_of, write_metadata
 from hyperacc.weights.files import WeightFiles, WeightsError, resolve_model_dir
+from hyperacc.models import qwen3_moe_config
 from hyperacc.models.build import build_for_sharded_load
+from hyperacc.weights.export import export_tensors
 from hyperacc.weights.load import plan
 from hyperacc.weights.writer import RankWriter, plan_files, write_index
 from hyperacc.errors import ConvertError  # noqa: F401 - defined with every error class
@@ -85,8 +87,7 @@ def _config_from_run(checkpoint: str, embed_rows: Optional[int]):
         for key, value in overrides.items():
             setattr(config, key, value)
     elif model_section.get("preset", "tiny") == "tiny":
-        from hyperacc.models import qwen3_moe_config
-
+    
         config = qwen3_moe_config(**overrides)
     else:
         raise ConvertError(f"{file}: model.preset={model_section.get('preset')!r} is unknown; pass --config-from HF_DIR.")
@@ -121,7 +122,6 @@ def to_hf(checkpoint: str, output: str, *, config_from: Optional[str] = None, ov
         config = _config_from_run(checkpoint, embed[0] if embed else None)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    from hyperacc.weights.export import export_tensors
 
     tensors = export_tensors(model)
     arch = type(model).__name__

@@ -27,8 +27,11 @@ import torch
 
 from hyperacc.data.chat import fit_sample, render_row
 from hyperacc.data.collate import pad_collate
+from hyperacc.data.default_chat import default_chat_records
+from hyperacc.data.megatron_chat import ChatIndexedDataset, has_loss_mask
 from hyperacc.data.packing import pack_collate
-from hyperacc.data.text import DEFAULT_HOLDOUT_FRACTION, _carve, _tokenizer_fingerprint, is_megatron_spec
+from hyperacc.data.text import (DEFAULT_HOLDOUT_FRACTION, _carve, _tokenizer_fingerprint, is_megatron_spec,
+                                load_text_dataset)
 
 __all__ = ["ChatSamples", "build_chat_dataset", "chat_collate", "check_chat_columns"]
 
@@ -112,8 +115,6 @@ def _records(dataset, *, name, split, messages_column, holdout_fraction, held_ou
     import datasets
 
     if dataset is None or dataset == "default":
-        from hyperacc.data.default_chat import default_chat_records
-
         if split not in ("train", "validation"):
             raise ValueError(f"unknown split {split!r} for the embedded chat corpus; available: train, validation")
         rows = datasets.Dataset.from_list(default_chat_records())
@@ -121,8 +122,6 @@ def _records(dataset, *, name, split, messages_column, holdout_fraction, held_ou
             held_out.append(_carve(rows, "validation", holdout_fraction, "embedded chat corpus"))
         return (_carve(rows, split, holdout_fraction, "embedded chat corpus") if holdout_fraction > 0 else rows,
                 f"the embedded chat corpus (split {split!r})")
-    from hyperacc.data.text import load_text_dataset
-
     rows = load_text_dataset(dataset, name=name, split=split, text_column=None, holdout_fraction=holdout_fraction,
                              held_out=held_out)
     check_chat_columns(rows.column_names, messages_column, f"dataset {dataset!r}")
@@ -158,8 +157,6 @@ def build_chat_dataset(dataset, tokenizer, *, seq_len: int, split: str = "train"
 
 
 def _megatron_chat(prefix: str, seq_len: int, split: str, holdout_fraction: float):
-    from hyperacc.data.megatron_chat import ChatIndexedDataset, has_loss_mask
-
     if not has_loss_mask(prefix):
         raise ValueError(f"Megatron prefix {prefix!r} holds token ids only (pre-training text: no loss mask), so "
                          "it cannot say which tokens are the assistant's. Fix: convert the chat records with "

@@ -24,7 +24,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from hyperacc.data.default_corpus import DEFAULT_VOCAB_SIZE
+from hyperacc.data.default_corpus import (DEFAULT_VOCAB_SIZE, collect_documents, default_token_prefix,
+                                           load_default_tokenizer)
 from hyperacc.data.megatron import exists as megatron_exists, normalize_prefix, optimal_dtype
 from hyperacc.data.packed import TokenWindows, build_packed_dataset, parse_blend
 from hyperacc.data.text_files import FILE_BUILDERS as _FILE_BUILDERS, _local_files, check_texts, diagnose_unreadable
@@ -54,8 +55,6 @@ def load_tokenizer(tokenizer=None, *, vocab_size: int = DEFAULT_VOCAB_SIZE, cach
     is returned as is.
     """
     if tokenizer is None or (isinstance(tokenizer, str) and tokenizer == "default"):
-        from hyperacc.data.default_corpus import load_default_tokenizer
-
         tok = load_default_tokenizer(vocab_size, cache_dir)
     elif isinstance(tokenizer, (str, os.PathLike)):
         from transformers import AutoTokenizer
@@ -375,14 +374,11 @@ def build_train_dataset(dataset=None, tokenizer=None, *, seq_len: int = 128, spl
     default_tok = tokenizer is None or tokenizer == "default"
     if dataset is None or dataset == "default":
         if default_tok:
-            from hyperacc.data.default_corpus import default_token_prefix
-
             ds = build_packed_dataset(default_token_prefix(vocab_size, cache_dir), seq_len, split=split,
                                       holdout_fraction=holdout_fraction, num_samples=num_samples)
             return ds, tok
         # A custom tokenizer over the default corpus: tokenize the documents in memory.
         import datasets
-        from hyperacc.data.default_corpus import collect_documents
 
         docs = datasets.Dataset.from_dict({"text": collect_documents()})
         if split not in ("train", "validation"):

@@ -36,6 +36,10 @@ from typing import Optional
 
 import transformers
 
+from hyperacc.accelerator import Accelerator
+from hyperacc.accelerator.compat import accelerate_switches_off
+from hyperacc.checkpoint import discovery, storage
+from hyperacc.config import FSDPConfig
 from hyperacc.integrations import trainer_args
 
 TRAINER_STATE_NAME = transformers.trainer.TRAINER_STATE_NAME     # transformers' own name for the file
@@ -48,10 +52,6 @@ class HyperaccTrainerMixin:
     def create_accelerator_and_postprocess(self) -> None:
         """hyperacc's Accelerator from the arguments `Trainer` would give accelerate's."""
         from accelerate.utils import DataLoaderConfiguration, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
-
-        from hyperacc.accelerator import Accelerator
-        from hyperacc.accelerator.compat import accelerate_switches_off
-        from hyperacc.config import FSDPConfig
 
         problems = trainer_args.refused_options(self.args)
         if problems:
@@ -163,8 +163,6 @@ class HyperaccTrainerMixin:
     def _checkpoint_to_resume(self, source) -> Optional[str]:
         path = self._resolved_checkpoint(source)
         if path is not None:
-            from hyperacc.checkpoint import storage
-
             if (storage.read_sentinel(path) or {}).get("train_state") == "none":
                 raise ValueError(f"{path} is a weights-only checkpoint (saved with save_only_model=True): it holds no "
                                  "optimizer, scheduler, RNG or data position to resume. Start a new run from its "
@@ -172,8 +170,6 @@ class HyperaccTrainerMixin:
         return path
 
     def _resolved_checkpoint(self, source) -> Optional[str]:
-        from hyperacc.checkpoint import discovery
-
         if source is None or source is False:
             steps = [step for step, _ in discovery.scan(self.args.output_dir)]
             if steps and self.args.save_strategy != "no":

@@ -24,6 +24,7 @@ from typing import Dict, Optional
 import torch
 
 from hyperacc.config.recipes import DEFAULT_RECIPE, RECIPE_NAMES, check_recipe_name
+from hyperacc.precision.adamw import AdamW
 
 __all__ = ["Recipe", "RECIPES", "DEFAULT_RECIPE", "get_recipe", "check_recipe", "recipe_for",
            "adapt_optimizer"]
@@ -109,8 +110,6 @@ def adapt_optimizer(optimizer, recipe: Recipe, *, seed: Optional[int] = None,
                     names: Optional[Dict[int, str]] = None) -> None:
     """At ``prepare``: give a `hyperacc.precision.adamw.AdamW` the recipe's moment dtype and rounding, and
     refuse torch's Adam/AdamW under a bf16 recipe (bf16 moments, small updates rounded away)."""
-    from hyperacc.precision.adamw import AdamW
-
     if isinstance(optimizer, AdamW):
         optimizer.follow_recipe(recipe, seed=seed, names=names)   # the run's seed, names key the rounding
         return

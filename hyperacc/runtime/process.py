@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hyperacc.config.launch_env import launch_env   # the launcher environment is read there (torch-free)
+from hyperacc.runtime.watchdog import Heartbeat
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 DEVICE_ENV = "HYPERACC_DEVICE"
@@ -155,8 +156,6 @@ def die_with_launcher(env: Optional[Mapping[str, str]] = None) -> bool:
 def init_runtime(device_type: Optional[str] = None, timeout_s: Optional[float] = None) -> Runtime:
     """Detect the device, start (or reuse) the process group (collective timeout ``timeout_s``,
     default 1800 s) and pin the local device; start this rank's heartbeat (`hyperacc.runtime.watchdog`)."""
-    from hyperacc.runtime.watchdog import Heartbeat
-
     timeout_s = 1800.0 if timeout_s is None else float(timeout_s)
     die_with_launcher()
     device_type = detect_device_type(device_type)

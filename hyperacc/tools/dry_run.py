@@ -54,7 +54,14 @@ from hyperacc.tools.activations import (BlockActivations, activation_bytes, acti
                                   block_activations)
 from hyperacc.tools.plan_report import (_bytes, _human, check_fits, fits, format_plan, plan_report,  # noqa: F401
                                   write_report)
+from hyperacc import kinds
+from hyperacc.config import ParallelConfig
+from hyperacc.parallel.context import check_context_parallel, kv_replication
+from hyperacc.parallel.expert import DISPATCH_STYLE, check_expert_parallel, expert_parallel_plan
+from hyperacc.parallel.tensor import check_tensor_parallel, tensor_parallel_plan
 from hyperacc.precision import get_recipe
+from hyperacc.precision.adamw import CHUNK
+from hyperacc.sharding import block_classes, find_blocks
 
 __all__ = ["ShardingPlan", "plan_sharding", "format_plan", "plan_report", "write_report", "check_fits"]
 
@@ -104,9 +111,6 @@ _TP_SPLITS = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "row
 
 def _parallel_shares(model: nn.Module, tp: int, ep: int) -> Dict[str, tuple]:
     """Parameter name -> (divisor before FSDP, is_expert) under the model's own TP/EP plans."""
-    from hyperacc.parallel.expert import DISPATCH_STYLE, check_expert_parallel, expert_parallel_plan
-    from hyperacc.parallel.tensor import check_tensor_parallel, tensor_parallel_plan
-
     check_tensor_parallel(model, tp)
     check_expert_parallel(model, ep)
     params = dict(model.named_parameters())
@@ -124,8 +128,6 @@ def _parallel_shares(model: nn.Module, tp: int, ep: int) -> Dict[str, tuple]:
 
 
 def _optimizer_step_bytes(recipe, local_params: int, largest_local: int, device_type: str) -> tuple:
-    from hyperacc.precision.adamw import CHUNK
-
     if recipe.low_precision:        # hyperacc.precision.adamw.AdamW: fp32 param, grad, moments, sqrt, denominator
         return 4.0 * 6 * min(largest_local, CHUNK), "fp32 copies of one parameter piece (hyperacc AdamW)"
     if device_type == "cpu":        # torch's single-tensor AdamW: the square root and the denominator
@@ -176,13 +178,11 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
     ``micro_batches``: per DP rank and optimizer step (traffic, and the gradients accumulation keeps);
     ``reduce_every_micro_batch``: as `hyperacc.FSDPConfig`'s. ``device_type``: where it will run
     ("cpu" changes only how torch's AdamW allocates)."""
-    from hyperacc.integrations.peft import check_layout, is_peft_model
-    from hyperacc.parallel.context import check_context_parallel, kv_replication
-    from hyperacc.sharding import block_classes, find_blocks
-
     recipe = get_recipe(precision)
-    try:
-        check_layout(model, tp, ep)             # what prepare refuses: PEFT with tp/ep > 1
+    kind = kinds.for_model(model)
+    try:        # what prepare refuses for the model's kind (PEFT with tp/ep > 1)
+        kind.check_layout(model, ParallelConfig(dp_replicate_size=dp_replicate, dp_shard_size=-1, cp_size=cp,
+                                                tp_size=tp, ep_size=ep))
     except NotImplementedError as err:
         raise ValueError(str(err)) from None
     fixed = dp_replicate * tp * cp
@@ -211,13 +211,14 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
     per_param = recipe.bytes_per_param()
     param_bytes = per_param["params"]
     compute = _COMPUTE_BYTES.get(mixed_precision, param_bytes)
-    # Frozen parameters: no gradient, no optimizer state; a PEFT model's keep their own dtype (prepare
-    # casts the trainable ones only), any other model's are cast to the recipe's like the rest.
-    keep_frozen = is_peft_model(model)
+    # Frozen parameters: no gradient, no optimizer state. Those the model's kind keeps in their own dtype
+    # (a PEFT model's frozen base: prepare casts the trainable ones only) keep it; the rest are cast to the
+    # recipe's.
+    kept = kind.keeps_dtype(model)
     frozen = {n for n, p in named.items() if not p.requires_grad}
 
     def stored(n, p):                               # bytes per element as prepare stores the parameter
-        return p.element_size() if n in frozen and keep_frozen and p.is_floating_point() else param_bytes
+        return p.element_size() if n in kept and p.is_floating_point() else param_bytes
 
     def gathered_bytes(n, p):                       # all-gathered: mixed_precision's dtype, else the stored one
         return compute if mixed_precision in _COMPUTE_BYTES else stored(n, p)
@@ -233,10 +234,10 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
             numel[expert] += after_split(n, p)
             nbytes[expert] += after_split(n, p) * gathered_bytes(n, p)
             trainable[expert] += 0 if n in frozen else after_split(n, p)
-        kinds = [False] + ([True] if numel[True] else [])
-        block_units += [numel[k] for k in kinds]
-        block_bytes += [nbytes[k] for k in kinds]
-        block_trainable += [trainable[k] for k in kinds]
+        parts = [False] + ([True] if numel[True] else [])
+        block_units += [numel[k] for k in parts]
+        block_bytes += [nbytes[k] for k in parts]
+        block_trainable += [trainable[k] for k in parts]
         gathered += nbytes[False] * (shards - 1) / shards + nbytes[True] * (efsdp - 1) / efsdp
     root = [(n, p) for n, p in named.items() if id(p) not in in_block]
     root_unit = sum(after_split(n, p) for n, p in root)
@@ -266,7 +267,7 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
     state_name = str(recipe.state_dtype).replace("torch.", "")
     compute_name = {2: "bf16", 4: "fp32"}[compute] if mixed_precision != "fp16" else "fp16"
     gathered_name = compute_name if not frozen or mixed_precision in _COMPUTE_BYTES else "stored dtypes"
-    frozen_dtypes = sorted({str(p.dtype if keep_frozen else recipe.param_dtype).replace("torch.", "")
+    frozen_dtypes = sorted({str(p.dtype if n in kept else recipe.param_dtype).replace("torch.", "")
                             for n, p in named.items() if n in frozen})
     labels = {
         "params": (f"params ({dtype_name}, sharded)" if not frozen else
@@ -282,8 +283,8 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
         notes.append(f"trainable {_human(trainable_total)} of {_human(total)} params "
                      f"({100 * trainable_total / max(total, 1):.2f} %), frozen {_human(total - trainable_total)} "
                      f"({'/'.join(frozen_dtypes)}"
-                     f"{', kept in their own dtype (PEFT)' if keep_frozen else ', cast to the recipe'}): frozen ones "
-                     "have no grads and no optimizer states")
+                     f"{f', kept in their own dtype ({kind.name.upper()})' if frozen & kept else ', cast to the recipe'}): "
+                     "frozen ones have no grads and no optimizer states")
     if tp > 1 or ep > 1:
         notes.append(f"of the persistent params per rank: dense {_human(local_dense)}, expert {_human(local_expert)}; "
                      "grads and AdamW states follow the same split")

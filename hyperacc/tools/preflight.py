@@ -14,7 +14,9 @@ import warnings
 from typing import List, Optional
 
 import torch
+from hyperacc.data.text import check_dataset_source
 from hyperacc.errors import ConfigError
+from hyperacc.precision import adapt_optimizer
 
 
 def _config_error(message: str) -> ConfigError:
@@ -132,7 +134,6 @@ def check_paths_apart(outputs, inputs, *, output_dirs=(), reserved=()) -> None:
 
 def check_dataset_path(dataset) -> None:
     """A dataset that names local files must exist (hub names are checked when loaded)."""
-    from hyperacc.data.text import check_dataset_source
 
     try:
         check_dataset_source(dataset)
@@ -154,7 +155,6 @@ def check_optimizer(optimizer_cfg, *, recipe=None, section: str = "optimizer") -
     bf16 parameters) become a ConfigError now, not a traceback per rank after the model is built."""
     if optimizer_cfg is None:
         return
-    from hyperacc.precision import adapt_optimizer
 
     target = getattr(optimizer_cfg, "target", "optimizer")
     kwargs = dict(getattr(optimizer_cfg, "kwargs", {}))

@@ -18,6 +18,7 @@ import torch
 
 from hyperacc.batch import count_label_tokens
 from hyperacc.config.launch_env import env_value
+from hyperacc.data.collate import default_collate
 from hyperacc.runtime import collective_float_dtype
 from hyperacc.errors import ConfigError
 
@@ -51,8 +52,23 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
 def lr_lambda_scheduler(optimizer, schedule, max_steps: int):
     """``LambdaLR`` whose factor after ``s`` steps is ``schedule.lr_factor(s, max_steps)``.
 
-    ``schedule``: anything with ``lr_factor(step, max_steps)`` (``cli_config.LRSchedulerConfig``).
-    The factor is recomputed from the step count, so a restored scheduler continues exactly.
+    ``schedule``: anything with ``lr_factor(step, max_steps)`` (the example's
+    ``examples/config_schema.LRSchedulerConfig``: warm-up ``(s + 1) / w``, then cosine / linear /
+    constant decay to ``min_lr_ratio``). The factor is recomputed from the step count, so a restored
+    scheduler continues exactly.
+
+    Why not transformers' schedules (issue 39, ``benchmarks/libraries_data.py``; lr 3e-4, 2,000 steps
+    + 10 past the end): none computes that factor at every step once there is a warm-up. Without
+    one, ``get_wsd_schedule(num_stable_steps=0, min_lr_ratio=...)`` (cosine, linear) and
+    ``get_constant_schedule_with_warmup`` match exactly (max |lr diff| 0). With 100 warm-up steps
+    the closest differ by 2.2e-7 (``get_cosine_with_min_lr_schedule_with_warmup_lr_rate``: our
+    warm-up, its decay one step early, not held at the minimum after the end), 3.0e-6
+    (``get_cosine_with_min_lr_schedule_with_warmup``, ``get_constant_schedule_with_warmup``: warm-up
+    from 0, ``s / w``, so the first step trains at lr 0) and 2.7e-5 (``get_wsd_schedule``, linear:
+    warm-up from ``min_lr_ratio``). Switching would move a resumed run off the schedule its checkpoint
+    was trained on. The ``LambdaLR`` over a closure also keeps the checkpoint's ``lr_scheduler``
+    bucket as it is (``lr_lambdas: [None]``; transformers' ``functools.partial`` lambdas store
+    ``[{}]``, loadable either way but not the same bytes). Time per step: 0.8-1.0x, no difference.
     """
     def factor(step: int) -> float:
         return schedule.lr_factor(step, max_steps)
@@ -76,7 +92,6 @@ def evaluate(acc, model, dataset, *, batches: int, batch_size: int, collate_fn=N
     Every rank runs the same number of forward passes (FSDP all-gathers are collective).
     The model is put in eval mode and returned to train mode afterwards.
     """
-    from hyperacc.data.collate import default_collate
 
     collate = collate_fn or default_collate
     was_training = model.training

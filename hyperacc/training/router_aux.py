@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hyperacc.batch import sequence_index
+from hyperacc.parallel.context import context_of
 
 MODES = ("sequence", "micro_batch")
 
@@ -65,7 +66,6 @@ def install(model: nn.Module, mode: Optional[str], weights) -> None:
     """After sharding: the sequence-wise loss on ``model`` when ``mode`` (from `check_mode`) says so."""
     if mode != "sequence":
         return
-    from hyperacc.parallel.context import context_of
 
     SequenceAuxLoss(model, weights, context_of([model]))
 
