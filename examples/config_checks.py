@@ -7,7 +7,7 @@ error (rank 0 prints it: `exit_report.py`). What a resume may change: `resume_ch
 """
 import os
 
-from hyperacc.tools.cli_config import ConfigError
+from hyperacc.errors import ConfigError
 
 
 # What a checkpoint directory holds at its top level (README "On disk"): no output of the run goes there.

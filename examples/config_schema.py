@@ -10,7 +10,8 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Literal, Optional
 
-from hyperacc.tools.cli_config import Component, ConfigError
+from hyperacc.errors import ConfigError
+from hyperacc.tools.cli_config import Component
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
 from hyperacc.data.loader import micro_batches_per_step
 

@@ -3,7 +3,7 @@
 import re
 
 from config_checks import check_peft_targets
-from hyperacc.tools.cli_config import ConfigError
+from hyperacc.errors import ConfigError
 
 
 def base_dtype(cfg, config, *, random_base=False):

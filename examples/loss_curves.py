@@ -146,7 +146,7 @@ def check_runnable(layouts: dict, steps: int, out_dir: str, extra: list) -> None
     divide the heads, an ep that does not divide the experts, a bad flag after -- -- is an input
     error now instead of a failed run after others have trained for minutes."""
     import train_qwen
-    from hyperacc.tools.cli_config import ConfigError
+    from hyperacc.errors import ConfigError
 
     for name, layout in layouts.items():
         world = processes(layout)

@@ -4,7 +4,7 @@ overrides) and the model itself, on the meta device or from pretrained weights, 
 Apart from the loop because preflight (`preflight_checks.py`: the PEFT targets, the memory plan, a
 resume's model shapes) builds the same config and model on the meta device as training does.
 """
-from hyperacc.tools.cli_config import ConfigError
+from hyperacc.errors import ConfigError
 from lora_setup import apply_peft, base_dtype
 
 

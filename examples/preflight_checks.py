@@ -10,7 +10,8 @@ import os
 from config_checks import (check_attn_implementation, check_compile, check_parallel, check_peft_exports,
                            check_router_aux, check_transformers_for_tp_ep, optimizer_config)
 from config_schema import check_batch
-from hyperacc.tools.cli_config import ConfigError, format_config
+from hyperacc.errors import ConfigError
+from hyperacc.tools.cli_config import format_config
 from model_setup import build_model, model_config
 from resume_checks import check_checkpoint_start, check_resume_model
 

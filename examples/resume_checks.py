@@ -16,7 +16,7 @@ import os
 import yaml
 
 from exit_report import as_flags
-from hyperacc.tools.cli_config import ConfigError
+from hyperacc.errors import ConfigError
 
 FRESH = "start a new run in another --checkpoint.checkpoint_dir"
 

@@ -236,12 +236,8 @@ def run_job(cfg, tokenizer, acc):
 
 
 def main(argv=None):
-    from hyperacc.errors import NonFiniteError, TokenIdError
-    from hyperacc.checkpoint.lifecycle import CheckpointDirInUse
-    from hyperacc.checkpoint.lock import CheckpointDirLocked, CheckpointDirNotShared
-    from hyperacc.data.loader import DataResumeMismatch
-    from hyperacc.training.replica_guard import ReplicaMismatchError
-    from hyperacc.runtime.watchdog import CollectiveTimeout
+    from hyperacc.errors import (CheckpointDirInUse, CheckpointDirLocked, CheckpointDirNotShared, CollectiveTimeout,
+                                 DataResumeMismatch, NonFiniteError, ReplicaMismatchError, TokenIdError)
 
     try:
         cfg, world = load_config(sys.argv[1:] if argv is None else argv)
