@@ -1,5 +1,6 @@
 """hyperacc: FSDP2 training for LLMs on NPU, CUDA and CPU with an accelerate-shaped API."""
 from hyperacc import _moved
+from hyperacc import integrations  # noqa: F401 - declares the integrations' model kinds (lazily: hyperacc.kinds)
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
 
 _moved.install()      # old module paths (hyperacc.optim, hyperacc.metrics, ...) still import

@@ -11,7 +11,7 @@ optimizers are rebound to the sharded parameters that `fully_shard` creates.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import accelerate
 from accelerate.utils import set_seed
@@ -27,7 +27,7 @@ from hyperacc.config.launch_env import env_value
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
 from hyperacc.runtime.mesh import build_mesh
 from hyperacc.runtime.progress import Progress
-from hyperacc.models.setup import shard_and_fill
+from hyperacc.models import setup as model_setup
 from hyperacc.sharding import reshard
 from hyperacc.sharding.rebind import ParameterMap, PreparedScheduler, rebind_optimizer
 
@@ -44,7 +44,9 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
     Takes every argument of `accelerate.Accelerator` with its meaning (`fsdp_plugin` and
     `parallelism_config` become hyperacc's FSDPConfig/ParallelConfig), plus hyperacc's own
     keyword-only `parallel`, `fsdp`, `checkpoint`, `seed`, `device_type` and `router_aux_loss` (MoE
-    load balancing: "sequence", the default, or "micro_batch"; `hyperacc.training.router_aux`), which win.
+    load balancing: "sequence", the default, or "micro_batch"; `hyperacc.training.router_aux`), which win,
+    and `parallelize_fn`: your own ``fn(model, mesh, fsdp_config)`` in place of
+    `hyperacc.sharding.parallelize` (TP -> EP -> CP -> compile -> recompute -> FSDP2; it says what stays hyperacc's).
     Unset values come from the `accelerate launch` environment, else from the defaults.
     """
 
@@ -57,7 +59,7 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
                  parallelism_config=None, *, parallel: Optional[ParallelConfig] = None,
                  fsdp: Optional[FSDPConfig] = None, checkpoint: Optional[CheckpointConfig] = None,
                  seed: Optional[int] = None, device_type: Optional[str] = None,
-                 router_aux_loss: Optional[str] = None):
+                 router_aux_loss: Optional[str] = None, parallelize_fn: Optional[Callable] = None):
         compat.refuse_unsupported_plugins(deepspeed_plugin=deepspeed_plugin, deepspeed_plugins=deepspeed_plugins,
                                           megatron_lm_plugin=megatron_lm_plugin, torch_tp_plugin=torch_tp_plugin)
         compat.warn_split_batches(split_batches)
@@ -68,6 +70,7 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         self.save_on_end: Optional[bool] = None     # end_training's final save; None: when saves were asked for
         self.seed = DEFAULT_SEED if seed is None else int(seed)
         self._router_aux_mode = router_aux_loss
+        self._parallelize_fn = parallelize_fn
 
         # Validate the parallel sizes against the world, then start the process group: both before
         # accelerate builds its state, so that the state describes this job.
@@ -152,7 +155,8 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         if any(model is seen for seen in self._models):
             raise ValueError("prepare() was called twice on the same model. Prepare each model once "
                              "and keep using the object it returned.")
-        parallel.check_model(model, self._mesh.parallel)      # before any collective
+        # Every model check (its kind's, the layout's, compile's), once, before any collective.
+        kind = model_setup.check_model(model, self._mesh, self.fsdp_config, self.device.type)
         aux_mode = router_aux.check_mode(model, self._router_aux_mode)
         layout = (tuple(self._mesh.mesh.mesh_dim_names), tuple(self._mesh.mesh.shape), repr(self.fsdp_config), aux_mode)
         if getattr(model, "_hyperacc_layout", None) is not None:
@@ -163,8 +167,9 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
                                  "router-aux setting; it cannot be re-sharded. Build a fresh model for this one.")
             originals = dict(model.named_parameters())
         else:
-            originals = shard_and_fill(model, mesh=self._mesh, fsdp_config=self.fsdp_config, device=self.device,
-                                       seed=self.seed, num_processes=self.num_processes)
+            originals = model_setup.shard_and_fill(model, kind=kind, mesh=self._mesh, fsdp_config=self.fsdp_config,
+                                                   parallelize_fn=self._parallelize_fn, device=self.device,
+                                                   seed=self.seed, num_processes=self.num_processes)
             router_aux.install(model, aux_mode, self.accumulator.aux_weights)
             model._hyperacc_layout = layout
         self._params.record(model, originals)

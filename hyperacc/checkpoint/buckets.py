@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      set_model_state_dict)
 
+from hyperacc import kinds
 from hyperacc.checkpoint import _comm
 from hyperacc.checkpoint.optim_state import canonical_name
 from hyperacc.runtime.progress import Progress
@@ -70,13 +71,12 @@ def optimizer_owner(models: List[nn.Module], index: int, n_optimizers: int) -> n
 
 
 def adapters_only(cfg, models) -> bool:
-    """Save and restore trainable tensors only: ``CheckpointConfig.is_peft`` when set, else whether
-    a model is a `peft.PeftModel` (its frozen base comes back from its own source, not the checkpoint)."""
+    """Save and restore trainable tensors only: ``CheckpointConfig.is_peft`` when set, else whether a
+    model's kind says so (`hyperacc.kinds`: a `peft.PeftModel`, whose frozen base comes back from its own
+    source, not the checkpoint)."""
     if cfg.is_peft is not None:
         return bool(cfg.is_peft)
-    from hyperacc.integrations.peft import is_peft_model
-
-    return any(is_peft_model(m) for m in models)
+    return any(kinds.for_model(m).saves_trainable_only(m) for m in models)
 
 
 def tied_aliases(model: nn.Module) -> Dict[str, str]:
@@ -97,14 +97,12 @@ def tied_aliases(model: nn.Module) -> Dict[str, str]:
 def model_state(model: nn.Module, *, trainable_only: bool = False) -> dict:
     """The model bucket (DTensor shards, nothing gathered), a tied parameter once, under its kept key
     (`tied_aliases`: DCP would write each key's bytes, twice for a tied embedding and head).
-    ``trainable_only``: the trainable tensors, and a PEFT model's adapter tensors whatever their
-    ``requires_grad`` (an inactive adapter, or a flag PEFT toggled: what the checkpoint holds must not
-    depend on it)."""
-    from hyperacc.integrations.peft import adapter_tensor_names
-
+    ``trainable_only``: the trainable tensors, and those the model's kind always saves whatever their
+    ``requires_grad`` (`ModelKind.always_saved`: a PEFT model's adapters, an inactive one or a flag PEFT
+    toggled: what the checkpoint holds must not depend on it)."""
     reshard(model)
     state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
-    adapters = adapter_tensor_names(model) if trainable_only else set()
+    adapters = kinds.for_model(model).always_saved(model) if trainable_only else set()
     if adapters - set(state):
         state.update({k: v for k, v in get_model_state_dict(model).items() if k in adapters})
     for alias, kept in tied_aliases(model).items():

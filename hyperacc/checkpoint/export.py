@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from hyperacc import kinds
 from hyperacc.weights.export import DEFAULT_MAX_SHARD_BYTES, export_sharded
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_hf"]
@@ -16,10 +17,10 @@ __all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_hf"]
 
 def export_hf(model: torch.nn.Module, out_dir: str, *, group=None,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
-    """Collective: every rank calls it and writes part of ``out_dir``. Returns ``out_dir``. A PEFT
-    model's export is its adapters, in PEFT's format (the base model is not the run's to re-publish)."""
-    from hyperacc.integrations import peft, peft_export
-
-    if peft.is_peft_model(model):
-        return peft_export.export_adapter(model, out_dir, group=group)
+    """Collective: every rank calls it and writes part of ``out_dir``. Returns ``out_dir``. A model kind
+    with a format of its own exports in it (`ModelKind.export`: a PEFT model's adapters, in PEFT's
+    format; the base model is not the run's to re-publish)."""
+    own = kinds.for_model(model).export(model, out_dir, group=group, max_shard_bytes=max_shard_bytes)
+    if own is not None:
+        return own
     return export_sharded(model, out_dir, max_shard_bytes=max_shard_bytes, group=group)

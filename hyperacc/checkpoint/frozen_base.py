@@ -1,4 +1,5 @@
-"""The frozen base of an adapters-only (PEFT) checkpoint: a fingerprint saved with it and checked on resume.
+"""The frozen base of an adapters-only checkpoint (`ModelKind.saves_trainable_only`: a PEFT model's): a
+fingerprint saved with it and checked on resume.
 
 Why: such a checkpoint holds the adapters only; the base model comes back from wherever the resumed
 run gets it (pretrained files, or the seed). Adapters resumed onto another base -- another
@@ -23,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from hyperacc import kinds
+
 RELATIVE_TOLERANCE = 1e-9
 CHUNK = 1 << 20         # elements converted to float64 at a time (8 MiB)
 
@@ -36,11 +39,10 @@ def _copies(tensor: torch.Tensor, world: int) -> int:
 
 
 def _frozen(model: nn.Module) -> List[tuple]:
-    """(key, parameter) of the frozen floating parameters; a PEFT model's by their base checkpoint
-    key, so that a changed adapter configuration is not mistaken for another base."""
-    from hyperacc.integrations.peft import base_names, is_peft_model
-
-    keys = base_names(model) if is_peft_model(model) else {}
+    """(key, parameter) of the frozen floating parameters, by their base checkpoint key
+    (`ModelKind.base_names`: a PEFT model's), so that a changed adapter configuration is not mistaken
+    for another base."""
+    keys = kinds.for_model(model).base_names(model)
     return [(keys.get(name) or name, p) for name, p in model.named_parameters()
             if not p.requires_grad and p.is_floating_point()]
 

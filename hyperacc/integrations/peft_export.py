@@ -12,10 +12,15 @@ from typing import Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from hyperacc.integrations.peft import (ADAPTER_WEIGHTS_FILE, _layer_adapters, _own_tensors, _tuner_classes, base_names,
-                                        tuner_layers)
-from hyperacc.weights.export import _full      # collective for a DTensor: every rank, same order
+from hyperacc.integrations.peft_names import (ADAPTER_WEIGHTS_FILE, _layer_adapters, _own_tensors, _tuner_classes,
+                                              base_names, tuner_layers)
+from hyperacc.integrations.peft_saved import adapter_files, check_exportable
+from hyperacc.sharding import reshard
+from hyperacc.weights import publish
+from hyperacc.weights.export import (  # _full: collective for a DTensor (every rank, same order)
+    DEFAULT_MAX_SHARD_BYTES, Computed, _agree, _full, export_sharded, export_tensors)
 from hyperacc.weights.files import MARK_KEY
+from hyperacc.weights.hf_metadata import save_tokenizer
 
 
 def _selection(model: nn.Module, group):
@@ -23,9 +28,6 @@ def _selection(model: nn.Module, group):
     ``get_peft_model_state_dict`` chooses them (`hyperacc.integrations.peft_saved`), chosen on rank 0
     (PEFT's embedding check may read the base's config) and agreed by every rank; a refusal is raised
     on every rank before anything is gathered or written."""
-    from hyperacc.integrations.peft_saved import adapter_files, check_exportable
-    from hyperacc.weights.export import _agree
-
     def choose():
         files = adapter_files(model)
         check_exportable(model, files)
@@ -60,8 +62,6 @@ def adapter_state_dict(model: nn.Module, *, group=None) -> Dict[str, torch.Tenso
 def _gather(model: nn.Module, keys: List[str], group, *, main_only: bool) -> Dict[str, torch.Tensor]:
     import torch.distributed as dist
 
-    from hyperacc.sharding import reshard
-
     reshard(model)
     live = model.state_dict(keep_vars=True)
     keep = not main_only or not dist.is_initialized() or dist.get_rank(group) == 0
@@ -85,9 +85,6 @@ def export_adapter(model: nn.Module, out_dir: str, *, group=None, into_existing:
     tokenizer or a README, which are kept, and hyperacc's own earlier export, which is replaced as
     `hyperacc.weights.publish` says). ``tokenizer``: saved into ``out_dir`` too (rank 0, after the
     adapter). Returns ``out_dir``."""
-    from hyperacc.weights import publish
-    from hyperacc.weights.export import _agree
-    from hyperacc.weights.hf_metadata import save_tokenizer
 
     out_dir = os.path.abspath(out_dir)
     keys, files = _selection(model, group)          # refusals first: nothing written yet
@@ -170,7 +167,6 @@ def _check_mergeable(model: nn.Module) -> None:
 def merged_tensors(model: nn.Module):
     """(base checkpoint key, tensor or `Computed`) of the base model with the active adapters folded
     in: W + delta(adapters), computed in fp32 and stored in W's dtype (as PEFT's merge does)."""
-    from hyperacc.weights.export import Computed, export_tensors
 
     _check_mergeable(model)
     names = base_names(model)
@@ -211,7 +207,6 @@ def export_merged(model: nn.Module, out_dir: str, *, group=None, max_shard_bytes
     """Collective: the base model with the adapters merged, as a plain Hugging Face checkpoint
     (``from_pretrained`` loads it without peft); every rank writes its share, one tensor at a time.
     ``tokenizer``: saved with it, and its token ids fill the config's missing ones (`hf_metadata`)."""
-    from hyperacc.weights.export import DEFAULT_MAX_SHARD_BYTES, export_sharded
 
     return export_sharded(model.get_base_model(), out_dir, tensors=merged_tensors(model), group=group,
                           max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, tokenizer=tokenizer)

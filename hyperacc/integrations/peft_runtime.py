@@ -1,6 +1,6 @@
 """A prepared PEFT model at run time under FSDP2: dtypes between fp32 trainable copies and a bf16
 frozen base, and PEFT's adapter switches (which toggle ``requires_grad``) on resharded units.
-Installed by `hyperacc.models.setup` after sharding."""
+Installed after sharding by the PEFT model kind (`hyperacc.integrations.peft_kind`)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hyperacc.integrations.peft import copy_wrappers, is_peft_model
+from hyperacc.sharding import reshard
 
 
 def _first_float(module: nn.Module) -> Optional[torch.dtype]:
@@ -56,8 +57,6 @@ def reshard_around_switches(model: nn.Module) -> None:
     Each of these calls is made on resharded units here, so the flags land where FSDP2 reads them."""
     if not is_peft_model(model):
         return
-    from hyperacc.sharding import reshard
-
     switch_off = model.disable_adapter
 
     @contextlib.contextmanager
@@ -78,8 +77,6 @@ def reshard_around_switches(model: nn.Module) -> None:
 
 
 def _after_reshard(model: nn.Module, method):
-    from hyperacc.sharding import reshard
-
     @functools.wraps(method)
     def call(*args, **kwargs):
         reshard(model)

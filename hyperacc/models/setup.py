@@ -1,46 +1,51 @@
-"""What `prepare()` does to a model's weights, in order: checks, sharding, then filling the shards
-(random initialisation, pretrained files, PEFT's adapter initialisation).
+"""What `prepare()` does to a model's weights, in order: sharding (`hyperacc.sharding.parallelize`),
+then filling the shards (random initialisation, pretrained files, the model kind's own values).
 
-Why one place: the order matters and is easy to break. Checks run before any collective; a
-rank-0-only `from_pretrained` is broadcast before sharding; adapter values are computed while the
-model still has its full shapes; the shards are allocated and filled by `fully_shard` and
-`sharding.materialize` (or the safetensors files); the adapters are written last so that neither
-the base model's ``_init_weights`` nor the files overwrite them.
+Why one place: the order matters and is easy to break. The checks ran before (`check_model`, once
+per prepare, before any collective); a rank-0-only `from_pretrained` is broadcast before sharding;
+the model kind (`hyperacc.kinds`: PEFT's adapters) computes what it needs while the model still has
+its full shapes; the recipe's dtype cast comes before the layout, whose last step is `fully_shard`;
+the shards are then allocated and filled (`sharding.allocate_shards`, or the safetensors files); the
+kind's values are written last so that neither the base model's ``_init_weights`` nor the files
+overwrite them.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
 
-from hyperacc import parallel, weights
-from hyperacc.sharding import compile as compilation
-from hyperacc.integrations import peft, peft_runtime
-from hyperacc.sharding import broadcast_from_rank0, rank0_only_weights_expected, shard_model
+from hyperacc import weights
+from hyperacc.kinds import ModelKind
+from hyperacc.precision import get_recipe
+from hyperacc.sharding.fsdp import (allocate_shards, broadcast_from_rank0, cast_parameters, check_not_sharded,
+                                    rank0_only_weights_expected)
+from hyperacc.sharding.parallelize import check_model, parallelize
+
+__all__ = ["check_model", "shard_and_fill"]
 
 
-def shard_and_fill(model: nn.Module, *, mesh, fsdp_config, device: torch.device, seed: int,
-                   num_processes: int) -> Dict[str, nn.Parameter]:
+def shard_and_fill(model: nn.Module, *, kind: ModelKind, mesh, fsdp_config, device: torch.device, seed: int,
+                   num_processes: int, parallelize_fn: Optional[Callable] = None) -> Dict[str, nn.Parameter]:
     """Shard ``model`` in place on ``mesh`` (a `hyperacc.runtime.mesh.MeshInfo`) and give every rank its
     slices of the weights: pretrained (`hyperacc.models.load_pretrained(..., accelerator=)`),
-    rank 0's, the model's own, or initialised from ``seed``. Returns the parameters as they were
-    before sharding, by name (what the user's optimizer holds, for `wrappers.rebind_optimizer`)."""
-    parallel.check_model(model, mesh.parallel)      # before any collective
-    compilation.check_backend(fsdp_config, device.type, mesh.parallel)
-    compilation.check_model(model, fsdp_config)
+    rank 0's, the model's own, or initialised from ``seed``. ``kind``: what `check_model` returned
+    for it. ``parallelize_fn``: replaces `hyperacc.sharding.parallelize` (same arguments). Returns the
+    parameters as they were before sharding, by name (what the user's optimizer holds, for
+    `hyperacc.sharding.rebind.rebind_optimizer`)."""
+    check_not_sharded(model)
     if num_processes > 1 and rank0_only_weights_expected():
         broadcast_from_rank0(model, device)
-    peft.broadcast_adapters(model, device)      # built before the seed was set: rank 0's init everywhere
     originals = dict(model.named_parameters())
     on_meta = any(p.is_meta for p in model.parameters())
-    adapters = peft.initial_adapter_values(model, seed)     # PEFT's own init, full size, seeded per layer
     pretrained = weights.source_of(model)     # the files fill the shards: each rank reads its own slices
-    shard_model(model, mesh, fsdp_config, device, seed, initialize=pretrained is None)
+    before = kind.before_sharding(model, device=device, seed=seed)    # collective: every rank, same order
+    if not on_meta:
+        model.to(device)
+    cast_parameters(model, get_recipe(fsdp_config.precision).param_dtype, keep=kind.keeps_dtype(model))
+    (parallelize_fn or parallelize)(model, mesh, fsdp_config)
+    allocate_shards(model, mesh, fsdp_config, device, seed, on_meta=on_meta, initialize=pretrained is None)
     weights.fill_shards(model, pretrained)      # no-op without files
-    if on_meta and pretrained is None:
-        peft.copy_modules_to_save(model)        # a trainable copy starts as its (just initialised) original
-    peft.write_values(model, adapters)
-    peft_runtime.match_copy_dtypes(model)       # fp32 modules_to_save copies between bf16 base layers
-    peft_runtime.reshard_around_switches(model)     # PEFT's requires_grad toggles land on the sharded parameters
+    kind.after_sharding(model, before, initialised=on_meta and pretrained is None)
     return originals

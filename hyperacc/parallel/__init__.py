@@ -1,8 +1,6 @@
 """Tensor, expert and context parallelism on the job's meshes, applied before FSDP2 (see tensor.py,
-expert.py, context.py)."""
+expert.py, context.py). The order they are applied in is `hyperacc.sharding.parallelize`'s."""
 from __future__ import annotations
-
-from typing import List
 
 import torch.nn as nn
 
@@ -13,29 +11,15 @@ from hyperacc.parallel.expert import (apply_expert_parallel, check_expert_parall
 from hyperacc.parallel.norm import group_by_mesh, total_norm
 from hyperacc.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, tensor_parallel_plan
 
-__all__ = ["check_model", "group_by_mesh", "parallelize", "set_expert_gradient_reduction", "total_norm"]
+__all__ = ["apply_context_parallel", "apply_expert_parallel", "apply_tensor_parallel", "check_model",
+           "expert_parallel_plan", "group_by_mesh", "set_expert_gradient_reduction", "tensor_parallel_plan",
+           "total_norm"]
 
 
 def check_model(model: nn.Module, parallel: ParallelConfig) -> None:
-    """Every model-dependent check of the parallel sizes; raises before any collective."""
-    from hyperacc.integrations.peft import check_layout
-
-    check_layout(model, parallel.tp_size, parallel.ep_size)     # PEFT adapters: FSDP/HSDP only
+    """Every check of the parallel sizes against the model's architecture (heads, experts, plans);
+    raises before any collective. What a model kind refuses on top (PEFT adapters under TP/EP) is the
+    kind's `check_layout`; `hyperacc.sharding.parallelize.check_model` runs both, once per prepare."""
     check_tensor_parallel(model, parallel.tp_size)
     check_expert_parallel(model, parallel.ep_size)
     check_context_parallel(model, parallel.cp_size, parallel.tp_size)
-
-
-def parallelize(model: nn.Module, mesh_info) -> List[nn.Module]:
-    """Apply TP and EP to a (meta-device or real) model in place; returns the experts modules that
-    must become FSDP units on the expert mesh (none without EP)."""
-    parallel = mesh_info.parallel
-    check_model(model, parallel)
-    ep_plan = expert_parallel_plan(model, parallel.ep_size)
-    if parallel.tp_size > 1:
-        apply_tensor_parallel(model, mesh_info.tp_mesh, tensor_parallel_plan(model, ep_plan))
-    if parallel.cp_size > 1:
-        apply_context_parallel(model, mesh_info.cp_mesh)
-    if not ep_plan:
-        return []
-    return apply_expert_parallel(model, mesh_info.ep_mesh, mesh_info.tp_mesh, ep_plan)

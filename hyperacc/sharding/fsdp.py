@@ -1,6 +1,7 @@
 """FSDP2 wrapping of a model: per-block `fully_shard`, meta-device materialisation, activation
 recompute, CPU offload, mixed precision and the precision recipe's parameter dtype. 0-d parameters,
-which `fully_shard` refuses, stay whole on every rank (`hyperacc.sharding.replicated`).
+which `fully_shard` refuses, stay whole on every rank (`hyperacc.sharding.replicated`). The steps
+are composed, in order, by `hyperacc.sharding.parallelize`.
 
 Why per block: each transformer block becomes one all-gather/reduce-scatter unit, so only one
 block's full parameters exist at a time; the root call covers what is left (embeddings, head).
@@ -11,7 +12,7 @@ import dataclasses
 import functools
 import warnings
 import zlib
-from typing import Iterable, List, Optional
+from typing import Collection, Iterable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -19,9 +20,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
-from hyperacc.sharding.compile import compile_blocks
 from hyperacc.config import FSDPConfig
+from hyperacc.parallel import set_expert_gradient_reduction
 from hyperacc.precision import get_recipe
+from hyperacc.runtime.mesh import MeshInfo
 from hyperacc.sharding.replicated import replicate_scalars, scalar_parameters
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,17 +51,20 @@ def enable_recompute(blocks: Iterable[nn.Module]) -> None:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
-def cast_parameters(model: nn.Module, dtype: torch.dtype, *, keep_frozen: bool = False) -> None:
+def cast_parameters(model: nn.Module, dtype: torch.dtype, *, keep_frozen: bool = False,
+                    keep: Collection[str] = ()) -> None:
     """Store every floating-point parameter in ``dtype``, in place (ties and identities kept; buffers
     such as RoPE frequencies keep their own dtype). Works on the meta device.
 
-    ``keep_frozen`` (PEFT models): frozen parameters keep their stored dtype. They get no gradient and
-    no optimizer state, so a bf16 base under LoRA stays bf16 under the fp32_master recipe instead of
-    doubling in size; FSDP2 needs only a unit's trainable parameters to share a dtype, and PEFT's
-    layers cast between adapter and base dtypes. (A plain model is cast whole: its layers expect one
-    dtype.)"""
-    for param in model.parameters():
-        if keep_frozen and not param.requires_grad:
+    ``keep`` (parameter names: a model kind's `keeps_dtype`, e.g. a PEFT model's frozen base) and
+    ``keep_frozen`` (every frozen parameter) keep their stored dtype. Frozen parameters get no
+    gradient and no optimizer state, so a bf16 base under LoRA stays bf16 under the fp32_master recipe
+    instead of doubling in size; FSDP2 needs only a unit's trainable parameters to share a dtype, and
+    PEFT's layers cast between adapter and base dtypes. (A plain model is cast whole: its layers
+    expect one dtype.)"""
+    keep = set(keep)
+    for name, param in model.named_parameters():
+        if name in keep or (keep_frozen and not param.requires_grad):
             continue
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
@@ -95,79 +100,76 @@ def _root_policies(kwargs: dict, config: FSDPConfig) -> dict:
     return root
 
 
-def shard_model(model: nn.Module, mesh, config: FSDPConfig, device: torch.device,
-                seed: int, *, initialize: bool = True) -> nn.Module:
-    """Apply FSDP2 to ``model`` in place and return it, initialised if it was on the meta device.
-
-    ``mesh``: the job's `hyperacc.runtime.mesh.MeshInfo` (tensor and expert parallelism are applied first,
-    as its sizes say; experts become FSDP units on the expert mesh), or a plain DeviceMesh for FSDP.
-    """
-    from hyperacc.runtime.mesh import MeshInfo
-
-    info = mesh if isinstance(mesh, MeshInfo) else None
-    fsdp_mesh = info.fsdp_mesh if info is not None else mesh
+def check_not_sharded(model: nn.Module) -> None:
+    """Refuse a model FSDP2 already wraps (before any collective)."""
     if isinstance(model, FSDPModule):
         raise ValueError("This model is already sharded: prepare() was called twice on the same model. "
                          "Prepare each model once and keep the returned object.")
+
+
+def transformer_blocks(model: nn.Module, config: FSDPConfig) -> List[nn.Module]:
+    """The modules that become FSDP units (and are compiled / recomputed): ``FSDPConfig.wrap_classes``,
+    else the model's ``_no_split_modules``; a warning when none is found (one unit: more memory)."""
     names = block_classes(model, config.wrap_classes)
     blocks = find_blocks(model, names)
     if not blocks and config.wrap_classes and block_classes(model, None):
         # e.g. a launch config naming another model's block: the model's own blocks are the safe unit.
         warnings.warn(f"No module of class {names} found in {type(model).__name__}: wrapping its own "
-                      f"blocks {block_classes(model, None)} (from _no_split_modules) instead.", stacklevel=2)
+                      f"blocks {block_classes(model, None)} (from _no_split_modules) instead.", stacklevel=3)
         names = block_classes(model, None)
         blocks = find_blocks(model, names)
     if not blocks:
         warnings.warn(f"No module of class {names or '(none given)'} found in {type(model).__name__}: "
                       "sharding the whole model as one unit (more memory). Set FSDPConfig.wrap_classes "
-                      "to the transformer block class name.", stacklevel=2)
-    if config.activation_checkpointing or config.compile:
-        # A KV cache filled during forward would be filled again by the recomputation; a compiled block
-        # would be specialised (and recompiled) per layer on the cache's per-layer state.
-        if getattr(getattr(model, "config", None), "use_cache", False):
-            model.config.use_cache = False
-    on_meta = any(p.is_meta for p in model.parameters())
-    if not on_meta:
-        model.to(device)
-    from hyperacc.integrations.peft import is_peft_model
+                      "to the transformer block class name.", stacklevel=3)
+    return blocks
 
-    cast_parameters(model, get_recipe(config.precision).param_dtype, keep_frozen=is_peft_model(model))
-    kwargs = _policies(config, device.type)
-    scalars = scalar_parameters(model)      # fully_shard refuses 0-d parameters: kept whole (replicated)
-    if scalars and info is not None and info.parallel.tp_size > 1:
-        raise NotImplementedError(
-            "This model has 0-d (scalar) parameters, which hyperacc replicates across data-parallel "
-            "ranks; with tensor parallelism (tp_size > 1) their gradients could be partial per TP "
-            "rank. Make them 1-D (shape [1]) or use tp_size=1.")
-    experts = []
-    if info is not None:
-        from hyperacc import parallel
 
-        experts = parallel.parallelize(model, info)
-        for module in experts:
-            fully_shard(module, mesh=info.expert_fsdp_mesh, **kwargs)
-        parallel.set_expert_gradient_reduction(experts, info.grad_ranks, info.parallel.efsdp_size)
-    if config.compile:      # after TP/EP/CP hooks, before fully_shard (hyperacc.sharding.compile)
-        compile_blocks(blocks, config)
-    if config.activation_checkpointing:     # around the compiled forward (hyperacc.sharding.compile says why)
-        enable_recompute(blocks)
+def _dense_mesh(mesh):
+    """The mesh dense modules are sharded over: a `MeshInfo`'s FSDP mesh, or a plain DeviceMesh."""
+    return mesh.fsdp_mesh if isinstance(mesh, MeshInfo) else mesh
+
+
+def offloads(config: FSDPConfig, device_type: str) -> bool:
+    """Whether FSDP2 keeps the shards in host memory (CPU offload on an accelerator)."""
+    return bool(config.cpu_offload) and device_type != "cpu"
+
+
+def apply_fsdp(model: nn.Module, blocks: List[nn.Module], mesh, config: FSDPConfig,
+               experts: Iterable[nn.Module] = ()) -> None:
+    """`fully_shard` the experts (on the expert mesh), each block, then the root, in place. ``mesh``:
+    a `hyperacc.runtime.mesh.MeshInfo` or a plain DeviceMesh. 0-d parameters, which `fully_shard`
+    refuses, are left out (``ignored_params``) and replicated by `allocate_shards`."""
+    dense = _dense_mesh(mesh)
+    kwargs = _policies(config, dense.device_type)
+    experts = list(experts)
+    for module in experts:
+        fully_shard(module, mesh=mesh.expert_fsdp_mesh, **kwargs)
+    if experts:
+        set_expert_gradient_reduction(experts, mesh.grad_ranks, mesh.parallel.efsdp_size)
+    scalars = scalar_parameters(model)
     ignored = {"ignored_params": set(scalars)} if scalars else {}
     for block in blocks:
-        fully_shard(block, mesh=fsdp_mesh, **kwargs, **ignored)
+        fully_shard(block, mesh=dense, **kwargs, **ignored)
     # The root (embeddings, final norm, head) is needed again as soon as backward starts: resharding
     # it after forward would only buy one more all-gather per micro-batch (FSDP2's own default).
-    fully_shard(model, mesh=fsdp_mesh, **_root_policies(kwargs, config), **ignored)
+    fully_shard(model, mesh=dense, **_root_policies(kwargs, config), **ignored)
+
+
+def allocate_shards(model: nn.Module, mesh, config: FSDPConfig, device: torch.device, seed: int, *,
+                    on_meta: bool, initialize: bool = True) -> None:
+    """After sharding: a model that was on the meta device (``on_meta``) gets its shards allocated,
+    and initialised from ``seed`` (`materialize`) unless ``initialize=False`` (the caller fills them
+    next: pretrained weights); its 0-d parameters become data-parallel replicas."""
     if on_meta:
-        target = torch.device("cpu") if "offload_policy" in kwargs else device
+        target = torch.device("cpu") if offloads(config, device.type) else device
         if initialize:
             materialize(model, target, seed)
-        else:   # ``initialize=False``: the caller fills the shards next (pretrained weights)
+        else:
             model.to_empty(device=target)
-        scalars = scalar_parameters(model)      # to_empty replaced them (meta -> real: new objects)
-        for param in scalars:       # not offloaded: FSDP2 manages no state of theirs
+        for param in scalar_parameters(model):      # not offloaded: FSDP2 manages no state of theirs
             param.data = param.data.to(device)
-    replicate_scalars(model, scalars, fsdp_mesh)
-    return model
+    replicate_scalars(model, scalar_parameters(model), _dense_mesh(mesh))
 
 
 def _module_seed(seed: int, name: str) -> int:

@@ -280,11 +280,10 @@ def plan_sharding(model: nn.Module, *, world_size: int, dp_replicate: int = 1, t
     }
     notes = [f"precision={recipe.name}: {recipe.summary}"]
     if frozen:
+        how = f"kept in their own dtype ({kind.name.upper()})" if frozen & kept else "cast to the recipe"
         notes.append(f"trainable {_human(trainable_total)} of {_human(total)} params "
                      f"({100 * trainable_total / max(total, 1):.2f} %), frozen {_human(total - trainable_total)} "
-                     f"({'/'.join(frozen_dtypes)}"
-                     f"{f', kept in their own dtype ({kind.name.upper()})' if frozen & kept else ', cast to the recipe'}): "
-                     "frozen ones have no grads and no optimizer states")
+                     f"({'/'.join(frozen_dtypes)}, {how}): frozen ones have no grads and no optimizer states")
     if tp > 1 or ep > 1:
         notes.append(f"of the persistent params per rank: dense {_human(local_dense)}, expert {_human(local_expert)}; "
                      "grads and AdamW states follow the same split")

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hyperacc import kinds
 from hyperacc.weights import layout, publish
 from hyperacc.weights.hf_metadata import aligned, export_config, export_generation_config, save_tokenizer
 from hyperacc.weights.load import model_class
@@ -133,13 +134,12 @@ def _full(tensor) -> torch.Tensor:
 def save_model_sharded(model: nn.Module, save_directory: str, max_shard_size="10GB", safe_serialization: bool = True,
                        *, group=None, tokenizer=None) -> str:
     """`Accelerator.save_model`: accelerate's arguments, but every rank writes in parallel
-    (accelerate gathers the whole model on rank 0); a PEFT model's adapters in PEFT's format.
+    (accelerate gathers the whole model on rank 0); a model kind's own format where it has one
+    (`ModelKind.export`: a PEFT model's adapters in PEFT's format).
     ``save_directory`` may hold other files (a tokenizer, checkpoints) and hyperacc's own earlier
     export, which the new one replaces (what `Trainer.save_model` needs: the same directory each time).
     ``tokenizer`` (optional): saved beside the export, and its token ids fill the config's missing ones."""
     from accelerate.utils import convert_file_size_to_int
-
-    from hyperacc.integrations import peft, peft_export
 
     if not safe_serialization:
         raise ValueError(
@@ -147,10 +147,14 @@ def save_model_sharded(model: nn.Module, save_directory: str, max_shard_size="10
             "pickle, loading it can run code, and transformers 5 no longer writes it). Fix: drop "
             "safe_serialization=False; from_pretrained loads the safetensors export. If a tool needs a .bin, "
             "load the export with from_pretrained and torch.save(model.state_dict(), 'pytorch_model.bin').")
-    if peft.is_peft_model(model):     # what PeftModel.save_pretrained writes: the adapters, PEFT's format
-        return peft_export.export_adapter(model, save_directory, group=group, into_existing=True, tokenizer=tokenizer)
-    return export_sharded(model, save_directory, max_shard_bytes=convert_file_size_to_int(max_shard_size),
-                          group=group, into_existing=True, tokenizer=tokenizer)
+    max_shard_bytes = convert_file_size_to_int(max_shard_size)
+    # A model kind's own format (a PEFT model: what PeftModel.save_pretrained writes, its adapters)
+    own = kinds.for_model(model).export(model, save_directory, group=group, into_existing=True, tokenizer=tokenizer,
+                                        max_shard_bytes=max_shard_bytes)
+    if own is not None:
+        return own
+    return export_sharded(model, save_directory, max_shard_bytes=max_shard_bytes, group=group, into_existing=True,
+                          tokenizer=tokenizer)
 
 
 # --------------------------------------------------------------------------- directory handling

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hyperacc import kinds
 from hyperacc.weights import layout
 from hyperacc.weights.files import WeightFiles, WeightsError, has_safetensors, resolve_model_dir
 
@@ -40,13 +41,10 @@ def source_of(model: nn.Module) -> Optional[WeightsSource]:
 
 # --------------------------------------------------------------------------- plan
 def checkpoint_keys(model: nn.Module) -> Dict[str, Optional[str]]:
-    """Tensor name -> its name in the base model's checkpoint (None: a PEFT adapter's own tensor,
-    initialised by PEFT, not read). The identity for any model but a PEFT one."""
-    from hyperacc.integrations import peft
-
-    if peft.is_peft_model(model):
-        return peft.base_names(model)
-    return {n: n for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+    """Tensor name -> its name in the base model's checkpoint (None: a tensor of the model kind's own,
+    e.g. a PEFT adapter's, initialised by the kind, not read): `ModelKind.base_names`, the identity for
+    a plain model."""
+    return kinds.for_model(model).base_names(model)
 
 
 def plan(model: nn.Module, files: WeightFiles) -> Dict[str, List[layout.Piece]]:
