@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.tracking import GeneralTracker
 
+import hyperacc
 from dist_utils import run_torchrun
-from hyperacc.training.metrics import MetricsLogger, MetricsSink, PeriodicCleanup, StepTimer, device_memory_gib
+from hyperacc.training.metrics import (JsonlSink, MetricsLogger, MetricsSink, PeriodicCleanup, StepTimer,
+                                       device_memory_gib)
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 REQUIRED = {"step", "epoch", "loss", "grad_norm", "lr", "step_time", "tokens_per_second"}
@@ -182,8 +185,8 @@ def test_tensorboard_sink_scalars(tmp_path, monkeypatch):
         def __init__(self, log_dir):
             self.log_dir = log_dir
 
-        def add_scalar(self, tag, value, step):
-            scalars.append((tag, value, step))
+        def add_scalar(self, tag, value, global_step=None):     # torch's SummaryWriter signature
+            scalars.append((tag, value, global_step))
 
         def flush(self):
             scalars.append("flush")
@@ -201,6 +204,63 @@ def test_tensorboard_sink_scalars(tmp_path, monkeypatch):
     assert tags[:5] == ["train/loss", "train/grad_norm", "train/lr", "train/step_time", "train/tokens_per_second"]
     assert "train/memory_rss_gib" in tags and scalars[-2:] == ["flush", "close"]
     assert scalars[-4:-2] == [("eval/loss", math.log(8.0), 1), ("eval/ppl", pytest.approx(8.0), 1)]
+
+
+class RecordingTracker(GeneralTracker):
+    """An accelerate tracker as a user would pass in log_with (wandb, mlflow, ... are the same shape)."""
+    name, requires_logging_directory = "recording", False
+
+    def __init__(self):
+        super().__init__()
+        self.logged, self.finished = [], 0
+
+    @property
+    def tracker(self):
+        return self.logged
+
+    def log(self, values, step=None, **kwargs):
+        self.logged.append((step, dict(values)))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_one_logging_system_with_accelerate_trackers(tmp_path):
+    """MetricsLogger(accelerator=acc) writes its records to the Accelerator's trackers (log_with), and
+    its own JSONL sink joins them, so accelerator.log reaches the same file; a JsonlSink passed in
+    log_with is written by both too (full records through write, accelerate's values through log)."""
+    recording, path, other = RecordingTracker(), tmp_path / "m.jsonl", tmp_path / "other.jsonl"
+    acc = hyperacc.Accelerator(log_with=[recording, JsonlSink(str(other))],
+                               checkpoint=hyperacc.CheckpointConfig(save_ckpt=False))
+    acc.init_trackers("run")
+    with MetricsLogger(metrics_file=str(path), logging_steps=2, progress_bar=False, log_fn=lambda line: None,
+                       accelerator=acc) as logger:
+        assert len(acc.trackers) == 3                        # log_with's two + the logger's JSONL sink
+        run_steps(logger, [1, 2])
+        acc.log({"custom": 7.0}, step=2)
+        logger.log_eval(step=2, loss=math.log(4.0))
+    assert acc.trackers[:2] == [recording, acc.get_tracker("jsonl")] and len(acc.trackers) == 2   # ours left
+    ours, theirs = read_jsonl(path), read_jsonl(other)
+    assert [r["step"] for r in ours] == [1, 2, 2, 2] and ours[2] == {"step": 2, "custom": 7.0}
+    assert ours == theirs and ours[3]["eval_ppl"] == pytest.approx(4.0)
+    assert [step for step, _ in recording.logged] == [1, 2, 2, 2]
+    assert recording.logged[0][1] == {"train/loss": 1.0, "train/grad_norm": 2.0, "train/lr": 1e-4,
+                                      "train/step_time": 0.5, "train/tokens_per_second": 128.0}
+    assert "train/memory_rss_gib" in recording.logged[1][1] and recording.logged[2][1] == {"custom": 7.0}
+    assert recording.logged[3][1] == {"eval/loss": math.log(4.0), "eval/ppl": pytest.approx(4.0)}
+    acc.end_training()
+    assert recording.finished == 1
+    acc.log({"late": 1.0}, step=3)                            # finished: the file is closed, nothing appended
+    assert read_jsonl(other) == theirs
+
+
+def test_tensorboard_in_a_process_group_needs_the_accelerator_first(monkeypatch, tmp_path):
+    from accelerate import PartialState
+
+    monkeypatch.setattr(PartialState, "_shared_state", {})    # no accelerate state yet
+    monkeypatch.setenv("WORLD_SIZE", "2")                     # launched as one of two processes
+    with pytest.raises(ValueError, match=r"create the Accelerator .* before it"):
+        MetricsLogger(tensorboard_dir=str(tmp_path / "tb"), is_main_process=False, progress_bar=False)
 
 
 def test_periodic_cleanup_and_timer(monkeypatch):

@@ -7,7 +7,8 @@ before an evaluation record and on ``close``) the window is flushed: the device 
 one go and the per-rank values go through ONE ``all_gather`` over ``group``; every rank then holds
 the same records, ONE PER OPTIMIZER STEP of the window. Rank 0 hands them to the sinks
 (``hyperacc.training.metrics_sinks``): one JSON object per step appended (and flushed) to ``metrics_file``,
-TensorBoard scalars when ``tensorboard_dir`` is set, the console line
+TensorBoard scalars when ``tensorboard_dir`` is set (accelerate's ``TensorBoardTracker``), the records
+of every tracker of ``accelerator=`` (accelerate's ``log_with``), the console line
 ``step=N loss=... lr=... grad_norm=... tokens/s=...`` and the tqdm bar (logging step only), and
 any sink passed as ``sinks=``.
 
@@ -34,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from hyperacc.runtime.housekeeping import PeriodicCleanup, StepTimer, device_memory_gib
-from hyperacc.training.metrics_sinks import ConsoleSink, JsonlSink, MetricsSink, TensorBoardSink
+from hyperacc.training.metrics_sinks import (ConsoleSink, JsonlSink, MetricsSink, TensorBoardSink,
+                                             require_accelerate_state, write_to_tracker)
 from hyperacc.runtime import collective_float_dtype, device_module
 
 __all__ = ["MetricsLogger", "MetricsSink", "JsonlSink", "TensorBoardSink", "ConsoleSink", "StepTimer",
@@ -119,6 +121,12 @@ class MetricsLogger:
     ``sinks`` (objects with ``write(records, kind)``, optionally ``progress(step)`` and ``close()``,
     see ``MetricsSink``). The logger owns them: ``close`` closes each once (``sinks`` on every rank,
     as each rank was handed its own; they are written on the main process only).
+    ``accelerator``: an Accelerator (anything with a ``trackers`` list, e.g. after
+    ``init_trackers`` with ``log_with=...``): the records also go to each of its trackers (read when
+    written, so trackers added later count too; ``metrics_sinks.write_to_tracker``), and the
+    logger's own ``JsonlSink`` / ``TensorBoardSink`` join ``accelerator.trackers`` until ``close``,
+    so ``accelerator.log(values, step=...)`` reaches the same file and TensorBoard run: one logging
+    system. The accelerator's trackers are not closed here (``end_training`` finishes them).
     """
 
     def __init__(self, *, metrics_file: Optional[str] = None, logging_steps: int = 1,
@@ -126,7 +134,8 @@ class MetricsLogger:
                  max_steps: Optional[int] = None, initial_step: int = 0,
                  is_main_process: Optional[bool] = None, group=None, device_type: str = "cpu",
                  consumed_tokens: int = 0, consumed_samples: int = 0,
-                 progress_file=None, log_fn=None, flush_on: tuple = (), sinks: Sequence[Any] = ()):
+                 progress_file=None, log_fn=None, flush_on: tuple = (), sinks: Sequence[Any] = (),
+                 accelerator=None):
         if logging_steps < 1:
             raise ValueError(f"logging_steps={logging_steps} must be >= 1")
         self.logging_steps = logging_steps
@@ -144,11 +153,20 @@ class MetricsLogger:
         self.is_main_process = bool(is_main_process)
         self._given = list(sinks)       # closed on every rank, written on the main process only
         self.sinks: List[Any] = []      # what the main process writes to, in order
+        self._accelerator = accelerator
+        self._registered: List[Any] = []   # our sinks in accelerator.trackers, taken out again by close
+        if tensorboard_dir:
+            require_accelerate_state("MetricsLogger(tensorboard_dir=...)")   # every rank: raised alike
         if self.is_main_process:
             if metrics_file:
-                self.sinks.append(JsonlSink(metrics_file, start_step=initial_step))
+                self.sinks.append(JsonlSink(metrics_file, start_step=initial_step, main_process_only=False))
             if tensorboard_dir:
-                self.sinks.append(TensorBoardSink(tensorboard_dir))
+                self.sinks.append(TensorBoardSink(tensorboard_dir, main_process_only=False))
+            for sink in self.sinks:
+                sink.start()            # the JSONL set-aside happens now, not at the first write
+            if accelerator is not None:
+                self._registered = list(self.sinks)
+                accelerator.trackers.extend(self._registered)
             self.sinks.append(ConsoleSink(progress_bar=progress_bar, max_steps=max_steps, initial_step=initial_step,
                                           file=progress_file, log_fn=log_fn))
             self.sinks.extend(self._given)
@@ -278,6 +296,10 @@ class MetricsLogger:
         self._rows = []
         sinks = self.sinks if self.is_main_process else self._given   # the main process's include sinks=
         self.sinks, self._given = [], []
+        if self._registered:
+            self._accelerator.trackers[:] = [t for t in self._accelerator.trackers
+                                             if not any(t is ours for ours in self._registered)]
+            self._registered = []
         error = None
         for sink in sinks:              # each is closed once, even if another one fails
             try:
@@ -299,3 +321,7 @@ class MetricsLogger:
     def _emit(self, records: List[dict], kind: str) -> None:
         for sink in self.sinks:         # empty on the other ranks
             sink.write(records, kind)
+        if self._accelerator is not None and self.is_main_process:
+            for tracker in self._accelerator.trackers:
+                if not any(tracker is ours for ours in self.sinks):
+                    write_to_tracker(tracker, records, kind)

@@ -1,4 +1,4 @@
-"""Where finished metric records go: one small interface, three built-in sinks.
+"""Where finished metric records go: one small interface, three built-in sinks, accelerate's trackers.
 
 A sink receives the records ``MetricsLogger`` has already reduced over the ranks (plain host
 numbers, identical on every rank), on the main process only:
@@ -15,6 +15,13 @@ Any object with a ``write`` method is a sink; ``MetricsSink`` gives the no-op de
 Built in: ``JsonlSink`` (one JSON object per record appended to a file, flushed per line),
 ``TensorBoardSink`` (scalars under ``train/`` and ``eval/``), ``ConsoleSink`` (a line per logging
 step and per evaluation, and an optional tqdm bar).
+
+One logging system: ``JsonlSink`` and ``TensorBoardSink`` are accelerate trackers too
+(``accelerate.tracking.GeneralTracker``; ``TensorBoardSink`` *is* accelerate's ``TensorBoardTracker``),
+so ``Accelerator(log_with=[...])`` takes them and ``Accelerator.log`` writes to the same file / run;
+``MetricsLogger(accelerator=acc)`` registers its own sinks with ``acc.trackers`` and writes its
+records to every other tracker there (``write_to_tracker``: ``log(tracker_values(record), step)``).
+``ConsoleSink`` stays ours: accelerate has no console / progress-bar tracker.
 """
 from __future__ import annotations
 
@@ -25,7 +32,12 @@ import time
 import warnings
 from typing import Callable, List, Literal, Optional
 
-__all__ = ["MetricsSink", "JsonlSink", "TensorBoardSink", "ConsoleSink"]
+import torch.distributed as dist
+from accelerate import PartialState
+from accelerate.tracking import GeneralTracker, TensorBoardTracker
+
+__all__ = ["MetricsSink", "JsonlSink", "TensorBoardSink", "ConsoleSink", "tracker_values", "write_to_tracker",
+           "require_accelerate_state"]
 
 Kind = Literal["step", "eval"]
 
@@ -57,22 +69,54 @@ class MetricsSink:
         pass
 
 
-class JsonlSink(MetricsSink):
-    """Appends ``json.dumps(record)`` lines to ``path`` (flushed per line).
+class JsonlSink(MetricsSink, GeneralTracker):
+    """Appends ``json.dumps(record)`` lines to ``path`` (flushed per line); also an accelerate tracker.
 
     The file describes one history: records of steps after ``start_step`` (the step training
     resumes from, 0 for a fresh start) belong to a branch this run replays or abandons, so they are
     moved, with any partial last line a killed process left, to ``<path>.superseded-<time>`` (kept,
-    never deleted) before new records are appended. Each step then appears once, in order."""
+    never deleted) before new records are appended. Each step then appears once, in order.
 
-    def __init__(self, path: str, start_step: Optional[int] = None):
+    As an accelerate ``GeneralTracker`` (name ``"jsonl"``) it can be passed to
+    ``Accelerator(log_with=[JsonlSink(path)])``: ``accelerator.log(values, step=s)`` appends
+    ``{"step": s, **values}`` to the same file (a line without ``step`` when ``step`` is None; such a
+    line is set aside on a resume). The file is opened (and set aside) by ``start()``, which
+    accelerate's ``init_trackers`` calls on every rank: with ``main_process_only`` (the default)
+    only global rank 0 opens it; ``MetricsLogger``, which already runs it on its main process only,
+    passes ``main_process_only=False``."""
+
+    name = "jsonl"
+    requires_logging_directory = False
+
+    def __init__(self, path: str, start_step: Optional[int] = None, *, main_process_only: bool = True):
+        super().__init__()
         self.path = path
+        self.start_step = None if start_step is None else int(start_step)
+        self.main_process_only = bool(main_process_only)
         self.superseded: Optional[str] = None
-        if start_step is not None:
-            self.superseded = _set_aside_after(path, int(start_step))
-        self._file = _open_append(path)
+        self._file = None
+        self._closed = False
+
+    @property
+    def tracker(self):
+        """The open file (None before ``start`` and after ``close``)."""
+        return self._file
+
+    def start(self) -> None:
+        if self._file is not None or self._closed or (self.main_process_only and not _is_main_process()):
+            return
+        if self.start_step is not None:
+            self.superseded = _set_aside_after(self.path, self.start_step)
+        self._file = _open_append(self.path)
 
     def write(self, records: List[dict], kind: Kind) -> None:
+        self._append(records)
+
+    def log(self, values: dict, step: Optional[int] = None, **kwargs) -> None:
+        self._append([dict(values) if step is None else {"step": int(step), **values}])
+
+    def _append(self, records: List[dict]) -> None:
+        self.start()
         if self._file is None:
             return
         for record in records:
@@ -80,51 +124,108 @@ class JsonlSink(MetricsSink):
             self._file.flush()
 
     def close(self) -> None:
+        self._closed = True
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def finish(self) -> None:
+        self.close()
 
 
 _TB_WARNED = False
 
 
-class TensorBoardSink(MetricsSink):
-    """Scalars ``train/<key>`` per step record and ``eval/loss``, ``eval/ppl`` per evaluation.
-    Without the ``tensorboard`` package it warns once and writes nothing."""
+class TensorBoardSink(MetricsSink, TensorBoardTracker):
+    """accelerate's ``TensorBoardTracker`` (its ``SummaryWriter``, one ``add_scalar`` per value, a
+    flush per ``log``) writing ``train/<key>`` per step record and ``eval/loss``, ``eval/ppl`` per
+    evaluation into ``log_dir`` itself (run name ""). Without the ``tensorboard`` package it warns
+    once and writes nothing.
 
-    def __init__(self, log_dir: str):
-        global _TB_WARNED
+    Why accelerate's tracker and not our own ``SummaryWriter`` calls: one TensorBoard code path for
+    ``MetricsLogger(tensorboard_dir=...)`` and ``Accelerator(log_with="tensorboard")`` (same tags,
+    same values; 0.6-1.1x the time per record of the former hand-written ``add_scalar`` loop, ~0.3 ms
+    either way on a shared 2-core CPU: ``benchmarks/libraries_data.py``). Its cost: accelerate's trackers log through
+    accelerate's logger, which needs accelerate's process state (``PartialState``): the Accelerator
+    makes it; a lone process without one gets a ``PartialState()`` (see ``require_accelerate_state``)."""
+
+    def __init__(self, log_dir: str, *, main_process_only: bool = True):
+        TensorBoardTracker.__init__(self, "", log_dir)
         self.log_dir = log_dir
-        self._writer = None
-        try:
-            import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            if not _TB_WARNED:
-                warnings.warn(f"tensorboard_dir={log_dir!r} is set but tensorboard is not installed; "
-                              "TensorBoard logging is off (pip install tensorboard).", stacklevel=3)
-                _TB_WARNED = True
+        self.main_process_only = bool(main_process_only)
+        self.writer = None
+        self._closed = False
+
+    def start(self) -> None:
+        if self.writer is not None or self._closed or not _tensorboard_installed(self.log_dir):
             return
-        self._writer = SummaryWriter(log_dir=log_dir)
+        require_accelerate_state("TensorBoardSink")
+        TensorBoardTracker.start(self)
 
     def write(self, records: List[dict], kind: Kind) -> None:
-        if self._writer is None:
+        self.start()
+        if self.writer is None:
             return
         for record in records:
-            step = record["step"]
-            if kind == "eval":
-                self._writer.add_scalar("eval/loss", record["eval_loss"], step)
-                self._writer.add_scalar("eval/ppl", record["eval_ppl"], step)
-                continue
-            for key in _TB_STEP_KEYS:
-                if record.get(key) is not None:
-                    self._writer.add_scalar(f"train/{key}", record[key], step)
+            self.log(tracker_values(record, kind), step=record["step"])
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
-            self._writer = None
+        self._closed = True
+        if self.writer is not None:
+            TensorBoardTracker.finish(self)
+            self.writer = None
+
+    def finish(self) -> None:
+        self.close()
+
+
+def _tensorboard_installed(log_dir: str) -> bool:
+    global _TB_WARNED
+    try:
+        import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
+    except ImportError:
+        if not _TB_WARNED:
+            warnings.warn(f"tensorboard_dir={log_dir!r} is set but tensorboard is not installed; "
+                          "TensorBoard logging is off (pip install tensorboard).", stacklevel=4)
+            _TB_WARNED = True
+        return False
+    return True
+
+
+def tracker_values(record: dict, kind: Kind) -> dict:
+    """The scalars a record gives an accelerate tracker: ``train/<key>`` for the plotted step keys
+    present, or ``eval/loss`` and ``eval/ppl``."""
+    if kind == "eval":
+        return {"eval/loss": record["eval_loss"], "eval/ppl": record["eval_ppl"]}
+    return {f"train/{key}": record[key] for key in _TB_STEP_KEYS if record.get(key) is not None}
+
+
+def write_to_tracker(tracker, records: List[dict], kind: Kind) -> None:
+    """Hand ``records`` to one accelerate tracker: ``write`` if it is a sink too, else ``log`` per record."""
+    if hasattr(tracker, "write"):
+        tracker.write(records, kind)
+        return
+    for record in records:
+        tracker.log(tracker_values(record, kind), step=record["step"])
+
+
+def require_accelerate_state(what: str) -> None:
+    """accelerate's trackers log through accelerate's logger, which raises without a ``PartialState``.
+    A lone process (no process group, WORLD_SIZE unset or 1) gets one here (what ``Accelerator()``
+    would build from the same environment); in a process group the Accelerator must exist first
+    (building a state would touch the group): one ValueError, on every rank alike."""
+    if PartialState._shared_state:   # private: PartialState exposes no "already initialised" query
+        return
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed and int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        PartialState()
+        return
+    raise ValueError(f"{what} writes through accelerate's trackers, which need accelerate's process state: create "
+                     "the Accelerator (hyperacc.Accelerator() or accelerate.PartialState()) before it.")
+
+
+def _is_main_process() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 class ConsoleSink(MetricsSink):
