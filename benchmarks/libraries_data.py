@@ -69,7 +69,8 @@ def packing():
         same_fields = sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype for k in a)
         diff = max(int((a[k] - b[k]).abs().max()) for k in a)
         ours, theirs = best_of(lambda: pack_collate(samples), 20), best_of(lambda: library(samples), 20)
-        print(f"packing   {count:2d} samples, {sum(len(s['input_ids']) for s in samples):6d} tokens: same fields/dtypes "
+        tokens = sum(len(s["input_ids"]) for s in samples)
+        print(f"packing   {count:2d} samples, {tokens:6d} tokens: same fields/dtypes "
               f"{same_fields}, max |diff| {diff}; ours {ours * 1e3:.3f} ms, library {theirs * 1e3:.3f} ms, "
               f"ratio {theirs / ours:.1f}")
 
@@ -157,11 +158,12 @@ def lr():
                      for name, make in candidates.items()}
             best = min(diffs, key=diffs.get)
             print(f"lr        decay={decay:8s} warmup={warmup:3d}: closest {best} max |lr diff| {diffs[best]:.2e}; "
-                  + ", ".join(f"{name.replace('_schedule', '').replace('get_', '')} {d:.1e}" for name, d in diffs.items()))
+                  + ", ".join(f"{name.replace('_schedule', '').replace('get_', '')} {d:.1e}"
+                              for name, d in diffs.items()))
     config = LRSchedulerConfig(warmup_steps=100, min_lr_ratio=0.1, decay="cosine")
     ours = best_of(lambda: run(lr_lambda_scheduler(optimizer(), config, total), total), 1)
-    theirs = best_of(lambda: run(candidates["get_cosine_with_min_lr_schedule_with_warmup"](optimizer(), 100, total, 0.1),
-                                 total), 1)
+    library = candidates["get_cosine_with_min_lr_schedule_with_warmup"]
+    theirs = best_of(lambda: run(library(optimizer(), 100, total, 0.1), total), 1)
     print(f"lr        time per step ours {ours / total * 1e6:.1f} us, library {theirs / total * 1e6:.1f} us, "
           f"ratio {theirs / ours:.2f}")
 
@@ -217,9 +219,11 @@ def metrics(tmp):
 
     a, b = scalars(os.path.join(tmp, "tb1-former")), scalars(os.path.join(tmp, "tb2-current"))
     diff = max(abs(x[1] - y[1]) + abs(x[0] - y[0]) for tag in a for x, y in zip(a[tag], b.get(tag, [])))
-    print(f"metrics   TensorBoard, {len(records)} step records + 1 eval: same tags {sorted(a) == sorted(b)}, max |diff| "
+    print(f"metrics   TensorBoard, {len(records)} step records + 1 eval: same tags {sorted(a) == sorted(b)}, "
+          "max |diff| "
           f"{diff:.1e}; former sink {min(times['former']) / len(records) * 1e3:.3f} ms/record, accelerate's tracker "
-          f"{min(times['current']) / len(records) * 1e3:.3f} ms/record, ratio {min(times['current']) / min(times['former']):.2f}")
+          f"{min(times['current']) / len(records) * 1e3:.3f} ms/record, "
+          f"ratio {min(times['current']) / min(times['former']):.2f}")
 
 
 def main():

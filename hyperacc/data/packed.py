@@ -178,9 +178,9 @@ class BlendedDataset:
     order (104 of the first 4,000 rows equal ours at the same index; a prefix strays up to 27.6
     samples from the weights, ours 0.5), and a checkpoint's data position is an index into this
     order, so a resumed run would continue on another sequence. It takes Arrow tables only: every
-    window copied out of the memory-mapped ``.bin`` (96-570 ms against 1.5-3.5 ms for this index,
-    and a second copy of the corpus at pre-training scale); a random ``ds[i]`` costs 9-27x ours
-    (94-210 us against 4-10 us); its sizes are "first/all exhausted", where ours takes ``num_samples``.
+    window copied out of the memory-mapped ``.bin`` (49-305x: 0.1-0.7 s against 1.5-14 ms for this
+    index, five runs; a second copy of the corpus at pre-training scale); a random ``ds[i]`` costs
+    9-27x ours (94-390 us against 4-23 us); its sizes are "first/all exhausted", where ours takes ``num_samples``.
     """
 
     def __init__(self, datasets: Sequence, weights: Optional[Sequence[float]] = None,

@@ -43,9 +43,9 @@ def pack_collate(samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor
     Why not transformers' ``DataCollatorWithFlattening`` (issue 39, ``benchmarks/libraries_data.py``,
     shared 2-core CPU): it builds the very same row (the same three int64 fields, -100 as the
     separator label at every sample start, positions restarting at 0; max |diff| 0), but through
-    Python lists: 14-27x our time for 8 samples / 5k tokens and 18-41x for 16 samples / 38k tokens
-    (13-22 ms against 0.5-1 ms per micro-batch; only at 80 tokens is it faster, 0.7-0.9x, both under
-    0.1 ms). It also drops empty samples and packs a padded sample's pad tokens without a word, so
+    Python lists: 14-47x our time for 8 samples / 5k tokens and 18-41x for 16 samples / 38k tokens
+    (13-51 ms against 0.5-1.5 ms per micro-batch, five runs on a loaded shared 2-core CPU; only at 80
+    tokens is it faster, 0.7-0.9x, both under 0.1 ms). It also drops empty samples and packs a padded sample's pad tokens without a word, so
     the row would hold other samples than the loader chose (``count_sequences`` and the loss would
     disagree with the global batch); here both are errors.
     """
