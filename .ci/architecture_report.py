@@ -11,11 +11,10 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PKG = ROOT / "hyperacc"
 
 
-def module_name(path: pathlib.Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
+def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    rel = path.relative_to(root).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
@@ -30,10 +29,10 @@ def resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def collect():
+def collect(root: pathlib.Path = ROOT):
     modules = {}
-    for path in sorted(PKG.rglob("*.py")):
-        modules[module_name(path)] = path
+    for path in sorted((root / "hyperacc").rglob("*.py")):
+        modules[module_name(path, root)] = path
     edges = {}  # (src, dst) -> "top" | "func"
     for mod, path in modules.items():
         tree = ast.parse(path.read_text())
@@ -98,9 +97,9 @@ def cycles(modules, edges):
     return out
 
 
-def layers():
+def layers(root: pathlib.Path = ROOT):
     cfg = configparser.ConfigParser()
-    cfg.read(ROOT / ".importlinter")
+    cfg.read(root / ".importlinter")
     for section in cfg.sections():
         if cfg[section].get("type") == "layers":
             rows = [r.strip() for r in cfg[section]["layers"].splitlines() if r.strip()]
@@ -117,19 +116,29 @@ def layer_of(mod, order):
     return None
 
 
+def shape(root: pathlib.Path = ROOT, order=None, renamed=None) -> dict:
+    """The numbers of the package at ``root``; ``order``: the layers to count climbs against;
+    ``renamed``: old module name -> its name in the layers (to place an older, flat package)."""
+    modules, edges = collect(root)
+    lines = {m: len(p.read_text().splitlines()) for m, p in modules.items()}
+    where = lambda m: layer_of((renamed or {}).get(m, m), order)  # noqa: E731
+    up = [(a, b) for (a, b) in sorted(edges) if order and where(a) is not None
+          and where(b) is not None and where(b) > where(a)]
+    return {"modules": len(modules), "lines": sum(lines.values()),
+            "root_modules": len([m for m, p in modules.items() if p.parent == root / "hyperacc"]),
+            "over_400": {m: n for m, n in lines.items() if n > 400},
+            "imports_in_functions": len([1 for k in edges.values() if k == "func"]),
+            "cycles": cycles(modules, edges), "against_layers": up}
+
+
 def main():
     modules, edges = collect()
-    lines = {m: len(p.read_text().splitlines()) for m, p in modules.items()}
-    root = [m for m in modules if m.count(".") == 1 or m == "hyperacc"]
-    print(f"modules: {len(modules)}, lines: {sum(lines.values())}, at the package root: "
-          f"{len([m for m in root if modules[m].parent == PKG])}")
-    big = {m: n for m, n in lines.items() if n > 400}
-    print(f"modules over 400 lines: {big or 'none'}")
-    func = sorted((a, b) for (a, b), k in edges.items() if k == "func")
-    print(f"hyperacc imports inside functions: {len(func)}")
-    cyc = cycles(modules, edges)
-    print(f"import cycles: {len(cyc)}")
-    for c in cyc:
+    numbers = shape(ROOT, layers())
+    print(f"modules: {numbers['modules']}, lines: {numbers['lines']}, at the package root: {numbers['root_modules']}")
+    print(f"modules over 400 lines: {numbers['over_400'] or 'none'}")
+    print(f"hyperacc imports inside functions: {numbers['imports_in_functions']}")
+    print(f"import cycles: {len(numbers['cycles'])}")
+    for c in numbers["cycles"]:
         print("  " + " <-> ".join(c))
     order = layers()
     if order:
