@@ -217,6 +217,23 @@ def test_bad_input_one_clear_error_each(models, tmp_path):
         _load_in_process("nobody/nothing-cached")
 
 
+def test_a_truncated_file_is_refused_when_the_table_is_built(models, tmp_path):
+    """An interrupted copy (a shard a few bytes short) fails where the file table is built -- on
+    every rank alike, before any rank reads a slice -- not at the read of whichever rank owns the
+    missing rows (safetensors' own header check, issue 39)."""
+    from hyperacc.errors import WeightsError
+    from hyperacc.weights.files import WeightFiles, header_metadata
+
+    damaged = _copy(models / "moe_sharded", tmp_path / "truncated")
+    shard = sorted(n for n in os.listdir(damaged) if n.endswith(".safetensors"))[-1]
+    with open(damaged / shard, "r+b") as handle:
+        handle.truncate(os.path.getsize(damaged / shard) - 4)
+    with pytest.raises(WeightsError, match=f"{shard} is not a readable safetensors file .*incomplete"):
+        WeightFiles(str(damaged))
+    assert header_metadata(str(damaged / shard)) is None
+    assert header_metadata(str(models / "moe" / "model.safetensors")) == {"format": "pt"}
+
+
 def test_readme_snippet_runs(tmp_path):
     import re
     import subprocess
