@@ -160,7 +160,8 @@ def run_job(cfg, tokenizer, acc):
     last_saved = acc.progress.global_step     # a resumed step counts as saved
     heartbeat.phase = "training"
 
-    # Metrics, housekeeping, checks.
+    # Metrics, housekeeping, checks: step hooks, run by optimizer.step() and acc.step_end() in a fixed order
+    # (hyperacc.training.hooks: checks before the update; guard, compile watch, metrics, cleanup, eval, save).
     log = cfg.logging
     metrics = MetricsLogger(metrics_file=log.metrics_file, logging_steps=log.logging_steps,
                             tensorboard_dir=log.tensorboard_dir, progress_bar=log.progress_bar,
@@ -184,35 +185,31 @@ def run_job(cfg, tokenizer, acc):
                           batch_size=cfg.eval.eval_batch_size or t.micro_batch_size, collate_fn=collate)
         metrics.log_eval(step=step, loss=result["loss"])
 
+    def eval_hook(state):                      # a step hook: after the metrics record, before the save
+        if eval_every and state.step % eval_every == 0:
+            run_eval(state.step)
+
+    for hook in (checks, guard, compiles, metrics, cleanup, eval_hook):
+        acc.add_step_hook(hook)
+
     # The loop: one loader item = the micro-batches of one optimizer step.
     step = acc.progress.global_step
     acc.wait_for_everyone()                    # step 1's time must not include another rank's start-up
     with metrics:                              # flushed on a non-finite stop
         metrics.start()
         while step < t.max_steps and loader.epoch < t.epochs:
-            epoch = loader.epoch
             for batch in loader:
                 with acc.accumulate(model, batch) as micro_batches:   # token ids checked here, on every rank
-                    for i, mb in enumerate(micro_batches):
+                    for mb in micro_batches:
                         outputs = model(**mb)
-                        checks.watch_loss(outputs.loss, i)
                         acc.backward(outputs.loss, aux_loss=getattr(outputs, "aux_loss", None))
-                grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
-                checks.check(step + 1, lambda: acc.step_loss, grad_norm)   # no host read between checks
-                lr = optimizer.param_groups[0]["lr"]
-                optimizer.step()
+                acc.clip_grad_norm_(model.parameters(), max_norm)     # the hooks read the norm (no host read)
+                optimizer.step()                       # the step checks run first: nothing non-finite is applied
                 scheduler.step()
                 optimizer.zero_grad()
+                if acc.step_end():                     # the hooks, in order; True: saved (checkpoint.save_steps
+                    last_saved = acc.progress.global_step    # / save_epochs), the step's metrics flushed
                 step = acc.progress.global_step
-                guard.maybe_check(step, loss=lambda: acc.step_loss)
-                metrics.log_step(step=step, epoch=epoch, grad_norm=grad_norm, lr=lr, extra=compiles.step(step),
-                                 **acc.accumulator.step_metrics())
-                cleanup.maybe_run(step)
-                if eval_every and step % eval_every == 0:
-                    run_eval(step)
-                if acc.step_end():                 # saved (checkpoint.save_steps / save_epochs): the
-                    metrics.flush()                # JSONL then holds every step the checkpoint holds
-                    last_saved = step
                 if step >= t.max_steps:
                     break
 

@@ -22,6 +22,7 @@ from hyperacc.accelerator import compat
 from hyperacc.training import router_aux
 from hyperacc import runtime as runtime_lib
 from hyperacc.training.accumulation import GradientAccumulator
+from hyperacc.training.hooks import SavePolicyHook, StepHooks
 from hyperacc.accelerator.checkpointing import CheckpointingMixin
 from hyperacc.config.launch_env import env_value
 from hyperacc.config import CheckpointConfig, FSDPConfig, ParallelConfig
@@ -95,13 +96,15 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
             set_seed(self.seed)         # accelerate's: python, numpy, torch and every accelerator
         self.accumulator = GradientAccumulator(
             device=self.device, dp_size=self._mesh.grad_ranks, group=self.runtime.cpu_group, fsdp=self.fsdp_config,
-            on_sync_change=self._set_sync_gradients, same_tokens=self._mesh.same_tokens,
+            gradient_state=self.gradient_state, same_tokens=self._mesh.same_tokens,
             same_samples=self._mesh.same_samples)
         self.progress = Progress()
         self._params = ParameterMap()
         self._train_loader = None
         self._checkpointer = None
         self._init_checkpointing()      # saves only when asked; project_dir honoured (hyperacc.accelerator.checkpointing)
+        self.step_hooks = StepHooks(self)   # run by optimizer.step() and step_end() (hyperacc.training.hooks)
+        self.step_hooks.add(SavePolicyHook(self._policy_step_end))
 
     # ------------------------------------------------------------------ identity
     @property
@@ -133,9 +136,6 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
     def step_aux_loss(self) -> Optional[float]:
         """Token-weighted MoE router aux loss of the last step (None unless passed to `backward`)."""
         return self.accumulator.step_aux_loss
-
-    def _set_sync_gradients(self, value: bool) -> None:
-        self.sync_gradients = value     # accelerate's GradientState: read by its optimizer and scheduler
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *objects, device_placement=None):
@@ -184,6 +184,7 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         precision.adapt_optimizer(optimizer, self.recipe, seed=self.seed, names=self._params.names())
         if not self._optimizers:      # progress counts the steps of the first optimizer
             optimizer.register_step_post_hook(lambda *_: self._count_step())
+            optimizer.register_step_pre_hook(lambda opt, *_: self.step_hooks.before_optimizer_step(opt))
         return super().prepare_optimizer(optimizer, device_placement=device_placement)
 
     def prepare_scheduler(self, scheduler):
@@ -193,7 +194,7 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
             raise TypeError(f"prepare() does not know how to prepare a {type(scheduler).__name__}: pass "
                             "nn.Module, torch.optim.Optimizer, LR scheduler, DataLoader or MicroBatchDataLoader.")
         if self._needs_once_per_step_scheduler():
-            prepared = PreparedScheduler(scheduler, self._optimizers)
+            prepared = PreparedScheduler(scheduler, self._optimizers, self.accumulator)   # reads its sync flag
             self._schedulers.append(prepared)
             return prepared
         return super().prepare_scheduler(scheduler)      # accelerate's AcceleratedScheduler
@@ -261,6 +262,7 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         self.unscale_gradients()
         groups = parallel.group_by_mesh([p for p in parameters if p.grad is not None])
         total = parallel.total_norm(groups, norm_type)
+        self.step_hooks.grad_norm = total       # the step hooks' (step checks, metrics)
         for params in groups:     # foreach kernels take DTensors of one mesh at a time
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total
@@ -286,10 +288,17 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
             model.set_requires_gradient_sync(False)
 
     def step_end(self):
-        """Call once per optimizer step, after optimizer.step()/scheduler.step(): runs the save policy
-        (which saves only when asked: `CheckpointConfig.save_requested` or automatic checkpoint naming)."""
+        """Call once per optimizer step, after optimizer.step()/scheduler.step(): runs the step hooks in
+        order, the save policy last (it saves only when asked: `CheckpointConfig.save_requested` or
+        automatic checkpoint naming). Returns the directory saved, or None."""
         self._sync_epoch()
-        return self._policy_step_end()
+        return self.step_hooks.step_end(self._train_loader)
+
+    def add_step_hook(self, hook, order: Optional[int] = None):
+        """Run ``hook`` at every optimizer step, by ``order`` (`hyperacc.training.hooks`: StepChecks,
+        ReplicaGuard, CompileWatch, MetricsLogger and PeriodicCleanup register as they are). Returns a
+        handle whose ``remove()`` unregisters it."""
+        return self.step_hooks.add(hook, order)
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
         if hasattr(dataloader, "skip_first_batches"):       # a ResumableLoader

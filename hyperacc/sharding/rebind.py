@@ -10,7 +10,6 @@ import weakref
 from typing import Dict, Optional
 
 import torch
-from accelerate.state import GradientState
 
 
 class ParameterMap:
@@ -72,12 +71,18 @@ class PreparedScheduler:
     steps as accelerate scripts expect.
     """
 
-    def __init__(self, scheduler, optimizers):
+    def __init__(self, scheduler, optimizers, gradients=None):
+        """``gradients``: the owner of the gradient-sync flag (the Accelerator's `GradientAccumulator`:
+        anything with ``sync_gradients``), read at each ``step``; None: its owner steps it only after
+        real optimizer steps (`Accelerator.checkpoint_scheduler`)."""
         self.scheduler = scheduler
         self._optimizers = optimizers
+        self._gradients = gradients
 
     def step(self, *args, **kwargs):
-        if not GradientState().sync_gradients or any(opt.step_was_skipped for opt in self._optimizers):
+        if self._gradients is not None and not self._gradients.sync_gradients:
+            return                       # a micro-batch of an accumulation: no optimizer step happened
+        if any(opt.step_was_skipped for opt in self._optimizers):
             return
         self.scheduler.step(*args, **kwargs)
 

@@ -18,15 +18,26 @@ sequences of the step over all DP ranks (the samples of packed rows each counted
 
 Accelerate-compatible mode (`accumulate(model)` with `gradient_accumulation_steps=k`) is
 accelerate's own: the Accelerator inherits it (FSDP2's sync flag set through `no_sync`).
+
+The gradient-sync flag (``sync_gradients``: does the coming backward reduce gradients, so that an
+optimizer step follows?) has one owner, the accumulator: in step mode it alone sets it (False for a
+step's micro-batches but the last, True on the last and after the step), and hyperacc reads it here
+(`hyperacc.sharding.rebind.PreparedScheduler`). Its store is accelerate's ``GradientState``, written
+directly, because accelerate's own readers and writers use that object: ``AcceleratedOptimizer``
+skips ``step()`` and ``AcceleratedScheduler`` holds still while it is False, scripts read
+``Accelerator.sync_gradients``, accelerate-mode ``accumulate(model)`` and transformers' ``Trainer``
+set it there. (It used to travel accumulator -> callback -> Accelerator -> GradientState -> a
+scheduler wrapper that read the process-wide object back.)
 """
 from __future__ import annotations
 
 import contextlib
 import weakref
 from collections.abc import Mapping
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 import torch
+from accelerate.state import GradientState
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
@@ -86,16 +97,17 @@ def _check_ids(hi: int, lo: int, vocab_size: Optional[int], step: Optional[int])
 class GradientAccumulator:
     """Owns the per-step accumulation state; the Accelerator forwards `accumulate`/`backward` here."""
 
-    def __init__(self, *, device: torch.device, dp_size: int, group, fsdp: FSDPConfig,
-                 on_sync_change: Callable[[bool], None] = lambda _value: None, same_tokens: int = 1,
-                 same_samples: Optional[int] = None):
+    def __init__(self, *, device: torch.device, dp_size: int, group, fsdp: FSDPConfig, gradient_state=None,
+                 same_tokens: int = 1, same_samples: Optional[int] = None):
+        """``gradient_state``: where the sync flag is kept (the Accelerator's ``gradient_state``; default
+        accelerate's ``GradientState()``, the same shared object): see the module docstring."""
         self.device = device
         self.dp_size = dp_size          # ranks holding distinct tokens (dp x cp): FSDP's reduction world
         self.group = group              # spans every rank; ``same_tokens`` of them hold each token
         self.same_tokens = same_tokens  # the tp peers of a rank: token/loss sums over ``group`` / this
         self.same_samples = same_samples or same_tokens   # the tp x cp peers: sample sums / this
         self.fsdp = fsdp
-        self._on_sync_change = on_sync_change   # mirrors sync_gradients into accelerate's GradientState
+        self._gradient_state = gradient_state if gradient_state is not None else GradientState()
         self.in_step = False
         self.step_tokens = 0            # valid label tokens of the last step, all DP ranks (see module doc)
         self.step_samples = 0           # sequences of the last step, all DP ranks
@@ -104,7 +116,17 @@ class GradientAccumulator:
         self._aux_seen = False
         self._reduced = None            # (step_loss, step_aux_loss) once read
         self._micro_tokens = 0
+        self.micro_losses: List[torch.Tensor] = []   # this step's micro-batch losses as given to backward (unread)
         self._units = weakref.WeakKeyDictionary()   # prepared model -> its FSDP units, found once
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the coming backward reduces gradients (an optimizer step follows it): False inside a
+        step but on its last micro-batch, True otherwise; in accelerate mode what accelerate decided."""
+        return bool(self._gradient_state.sync_gradients)
+
+    def _set_sync(self, value: bool) -> None:
+        self._gradient_state.sync_gradients = value     # as accelerate's Accelerator.sync_gradients setter
 
     @property
     def step_loss(self) -> Optional[float]:
@@ -162,14 +184,15 @@ class GradientAccumulator:
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._aux_seen, self._reduced = False, None
+        self.micro_losses = []
         self.in_step = True
-        self._on_sync_change(False)
+        self._set_sync(False)
         try:
             with context.sharded() if context is not None else contextlib.nullcontext():
                 yield _MicroBatches(self, models, batch, tokens)
         finally:
             self.in_step = False
-            self._on_sync_change(True)
+            self._set_sync(True)
             _set_sync(self._fsdp_units(models), reduce_now=True, all_reduce_now=True, reshard_now=True)
 
     def _gather_counts(self, local: List[int]) -> List[int]:
@@ -192,7 +215,7 @@ class GradientAccumulator:
         every = self.fsdp.reduce_every_micro_batch
         _set_sync(self._fsdp_units(models), reduce_now=is_last or every, all_reduce_now=is_last,
                   reshard_now=is_last or self.fsdp.reshard_after_forward)
-        self._on_sync_change(is_last)
+        self._set_sync(is_last)
 
     def _fsdp_units(self, models) -> list:
         units = []
@@ -216,6 +239,7 @@ class GradientAccumulator:
         return tensor
 
     def scale_step_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self.micro_losses.append(loss.detach())     # for the step checks (hyperacc.training.hooks)
         tokens, total = self._micro_tokens, self.step_tokens
         if total == 0:       # rare: reading the loss on the host is fine here
             if torch.any(loss.detach() != 0):
