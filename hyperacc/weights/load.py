@@ -6,6 +6,15 @@ bytes = 122 GB per rank in fp32) and reads the files once per rank. Here each ra
 shard plus one slice, and the bytes read in total are about one copy of the model. The slice a
 rank owns comes from its DTensor's placements (FSDP2, TP, EP or any mix), so the loader does not
 know or care which layout produced it.
+
+Why not torch DCP's ``HuggingFaceStorageReader`` (``dcp.load(model.state_dict(), storage_reader=)``),
+measured on 2 ranks loading a 1.0 GB fp32 Qwen3 (485 MiB FSDP2 shard each;
+`benchmarks/libraries_weights.py`, issue 39): it reads through safetensors' mmap ``get_slice``, so a
+rank's peak RSS is +565-610 MiB above its shard against +0-2 MiB here (2.2x the rank's weight
+memory), in 1.5-1.7x the time; it reads every ``*.safetensors`` in the directory instead of
+following the index; and it maps keys one to one, so a hub Qwen3-MoE checkpoint (per-expert keys)
+does not load into transformers 5's fused experts ("Missing key in checkpoint state_dict:
+model.layers.0.mlp.experts.down_proj").
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ Why stream: ``safetensors.torch.save_file`` needs every tensor of a file in memo
 10 GB shard costs 10 GB of host memory. The safetensors format is a JSON header (names, dtypes,
 shapes, byte offsets) followed by the raw bytes; when the shapes are known up front the header is
 written first and each tensor's bytes are appended as soon as the tensor exists, so an export or
-a conversion holds one tensor at a time whatever the file size.
+a conversion holds one tensor at a time whatever the file size. (torch DCP's Hugging Face writer,
+measured against this export: `hyperacc.weights.export`.)
 """
 from __future__ import annotations
 
