@@ -156,3 +156,40 @@ def test_backward_outside_accumulate_with_micro_batches():
     mb = next(iter(loader))[0]
     with pytest.raises(RuntimeError, match="outside `with acc.accumulate"):
         acc.backward(model(**mb).loss)
+
+
+def test_the_accumulator_owns_the_sync_flag(acc):
+    """Step mode: the accumulator sets sync_gradients (False but on a step's last micro-batch) and is
+    what the step-mode scheduler reads; accelerate's GradientState, which accelerate's optimizer wrapper,
+    `acc.sync_gradients` and transformers' Trainer use, answers the same at every point."""
+    from accelerate.state import GradientState
+
+    from hyperacc.sharding.rebind import PreparedScheduler
+
+    model = build_causal_lm(qwen3_moe_config(), seed=5, router_aux_loss=False)
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    scheduler = PreparedScheduler(torch.optim.lr_scheduler.StepLR(optimizer.optimizer, 1, gamma=0.5), [optimizer],
+                                  acc.accumulator)
+    flags, changed = [], []
+    with acc.accumulate(model, [_batch(2), _batch(3), _batch(2)]) as micro_batches:
+        for mb in micro_batches:
+            flags.append((acc.accumulator.sync_gradients, acc.sync_gradients, GradientState().sync_gradients))
+            acc.backward(model(**mb).loss)
+            weights = [p.detach().full_tensor().clone() for p in model.parameters()]
+            optimizer.step()          # accelerate's wrapper: a no-op while the flag it reads is False
+            scheduler.step()          # reads the accumulator: the same
+            changed.append(any(not torch.equal(w, p.detach().full_tensor()) for w, p in zip(weights, model.parameters())))
+    assert flags == [(False, False, False), (False, False, False), (True, True, True)]
+    assert changed == [False, False, True] and scheduler.get_last_lr() == [0.5]   # one update, one schedule step
+    assert acc.accumulator.sync_gradients and acc.sync_gradients and GradientState().sync_gradients
+    optimizer.zero_grad()
+    acc.gradient_accumulation_steps = 2           # accelerate mode: accelerate decides, the accumulator reads it
+    try:
+        seen = []
+        for _ in range(2):
+            with acc.accumulate(model):
+                seen.append((acc.accumulator.sync_gradients, acc.sync_gradients))
+        assert seen == [(False, False), (True, True)]
+    finally:
+        acc.gradient_accumulation_steps = 1
+        acc.step = 0

@@ -24,6 +24,8 @@ Usage (the example does this with ``--training.replica_check_steps``; validate m
     for batch in loader:
         ...; optimizer.step(); ...
         guard.maybe_check(acc.progress.global_step, loss=acc.step_loss)
+
+or, as a step hook run by ``acc.step_end()`` (`hyperacc.training.hooks`), ``acc.add_step_hook(guard)``.
 """
 from __future__ import annotations
 

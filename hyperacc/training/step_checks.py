@@ -38,6 +38,9 @@ _FIX = (" Nothing from that step on was saved (LATEST is the last finite checkpo
 class StepChecks:
     """Usage per step: ``watch_loss(loss, i)`` for every micro-batch (no read), then
     ``check(step, step_loss, grad_norm)`` once, after the gradient norm and before ``optimizer.step()``.
+    Or once, as a step hook: ``acc.add_step_hook(checks)`` runs both inside ``optimizer.step()``, before
+    the update, on the losses given to ``acc.backward`` and the norm of ``acc.clip_grad_norm_``
+    (`hyperacc.training.hooks`).
 
     ``acc``: the Accelerator (its ``gather`` and device; ``add_save_guard`` when it has one).
     ``check_every``: production reads the device record every that many steps (the logging steps).
