@@ -14,8 +14,8 @@ Where the files go, and how a save replaces hyperacc's own earlier export: `hype
 Why not torch DCP's ``HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)``,
 measured on 2 ranks exporting a 1.0 GB fp32 Qwen3 with the same file plan
 (`benchmarks/libraries_weights.py`, issue 39): the same keys, dtypes and values, and a slightly lower
-peak RSS (+242-336 MiB per rank against +260-456 MiB here: no rank gathers a full tensor), but
-1.3-2.1x the time (every rank writes its shards into ``sharded/``, then rank 0 copies them all into
+peak RSS (+242-405 MiB per rank against +260-487 MiB here: no rank gathers a full tensor), but
+1.15-2.1x the time (every rank writes its shards into ``sharded/``, then rank 0 copies them all into
 the consolidated files, and the 970 MiB of ``sharded/`` stay in the export); headers without
 ``__metadata__`` (no ``format: pt``, no export mark: `publish` could not tell its own files) and not
 8-byte aligned; a small model as ``model-00001-of-00001.safetensors`` plus an index instead of

@@ -12,9 +12,10 @@ Why the reads stay ours -- ``os.preadv`` of the rows a rank owns straight into i
 485 MiB FSDP2 shard each, page cache warm; `benchmarks/libraries_weights.py`, issue 39): preadv
 +0-2 MiB peak RSS above the shards; `get_slice` on safetensors' default mmap backend 1.1-1.3x the
 time and +565-610 MiB (the file pages a rank touches stay mapped in its RSS: peak 2.2x the rank's
-weight memory); on its ``backend="pread"`` 4.5-5.7x the time and +204-211 MiB (each slice is a
-tensor of its own, copied once more into the shard). The table through `safe_open` costs 1.2-2.2x
-the hand-written JSON parse it replaced: 0.05-0.6 ms more per file, against a load of 0.15-0.5 s.
+weight memory); on its ``backend="pread"`` 3.9-5.7x the time and +200-211 MiB (each slice is a
+tensor of its own, copied once more into the shard). The table through `safe_open` costs 1.2-3.7x
+the hand-written JSON parse it replaced, 0.05-0.6 ms more per file against a load of 0.15-0.5 s:
+kept for the check that a file is whole (a truncated shard fails before any rank reads).
 """
 from __future__ import annotations
 

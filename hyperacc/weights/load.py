@@ -11,7 +11,7 @@ Why not torch DCP's ``HuggingFaceStorageReader`` (``dcp.load(model.state_dict(),
 measured on 2 ranks loading a 1.0 GB fp32 Qwen3 (485 MiB FSDP2 shard each;
 `benchmarks/libraries_weights.py`, issue 39): it reads through safetensors' mmap ``get_slice``, so a
 rank's peak RSS is +565-610 MiB above its shard against +0-2 MiB here (2.2x the rank's weight
-memory), in 1.5-1.7x the time; it reads every ``*.safetensors`` in the directory instead of
+memory), in 1.4-1.7x the time; it reads every ``*.safetensors`` in the directory instead of
 following the index; and it maps keys one to one, so a hub Qwen3-MoE checkpoint (per-expert keys)
 does not load into transformers 5's fused experts ("Missing key in checkpoint state_dict:
 model.layers.0.mlp.experts.down_proj").
