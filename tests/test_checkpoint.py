@@ -154,6 +154,7 @@ def test_every_bucket_round_trips(tmp_path, per_rank):
     moments = _moments(state.optimizers[0])
     lr = state.optimizers[0].param_groups[0]["lr"]
     reference = train(state, ckpt, 3)                       # the uninterrupted continuation
+    ckpt.wait()     # its async save of step 6 lands before the resumed run sets newer steps aside (else a race)
     draws = (torch.rand(3), random.random(), np.random.rand())
 
     fresh = make_state(seed=77)

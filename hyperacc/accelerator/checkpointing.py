@@ -1,8 +1,9 @@
 """The checkpoint half of `Accelerator`: save_state / load_state, what they save, and when the loop saves.
 
 Split from the facade by concern: the Accelerator composes the mesh, sharding and accumulation;
-this mixin turns its live objects into a `TrainState` for `hyperacc.checkpoint.Checkpointer` (six
-buckets, integrity, LATEST) and back. Frameworks that step their own scheduler (transformers'
+this mixin turns its live objects -- accelerate's registered ones (``register_for_checkpointing``)
+included -- into a `TrainState` for `hyperacc.checkpoint.Checkpointer` (its dict of Stateful buckets,
+integrity, LATEST) and back. Frameworks that step their own scheduler (transformers'
 `Trainer`) hand it over with `checkpoint_scheduler` so that it lands in the lr_scheduler bucket.
 
 When the loop saves by itself (`step_end`, `end_training`): only when asked, as accelerate, which never
@@ -88,7 +89,7 @@ class CheckpointingMixin:
             models=list(self._models), optimizers=[o.optimizer for o in self._optimizers],
             schedulers=[s.scheduler for s in self._schedulers], loader=self._train_loader,
             progress=self.progress, dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed,
-            precision=self.recipe.name)
+            precision=self.recipe.name, custom_objects=list(self._custom_objects))
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, *,
                    extra_files: Optional[Dict[str, bytes]] = None, **save_model_func_kwargs) -> Optional[str]:
@@ -108,8 +109,7 @@ class CheckpointingMixin:
                                                            self.project_configuration.total_limit,
                                                            is_main=self.is_main_process)
         def write_extra(path):
-            digests = custom_objects.save(self._custom_objects, path, is_main=self.is_main_process)
-            return {**digests, **custom_objects.save_files(extra_files or {}, path, is_main=self.is_main_process)}
+            return custom_objects.save_files(extra_files or {}, path, is_main=self.is_main_process)
 
         saved = self._get_checkpointer().save(self._train_state(), output_dir=output_dir, final=final,
                                               write_extra=write_extra)
@@ -126,9 +126,8 @@ class CheckpointingMixin:
             input_dir = custom_objects.newest_automatic_dir(self.project_dir)
         if input_dir is None and self.checkpoint_config.restore_from is None:
             return None
-        loaded = self._get_checkpointer().load(self._train_state(), input_dir)
+        loaded = self._get_checkpointer().load(self._train_state(), input_dir)   # registered objects too
         if loaded is not None:
-            custom_objects.load(self._custom_objects, loaded)
             match = re.search(r"checkpoint_(\d+)$", loaded.rstrip("/"))
             if self.project_configuration.automatic_checkpoint_naming and match:
                 self.project_configuration.iteration = int(match.group(1)) + 1

@@ -1,7 +1,9 @@
 """Six-bucket checkpointing on torch.distributed.checkpoint (see README "Checkpoints").
 
-policy (when), storage (DCP and files), discovery (LATEST), buckets (what), rng, export (HF).
+state (what: a dict of Stateful buckets), manager (the storage layer around it: policy, storage, discovery,
+lifecycle, integrity, lock), rng, export (HF).
 """
-from hyperacc.checkpoint.manager import Checkpointer, TrainState
+from hyperacc.checkpoint.manager import Checkpointer
+from hyperacc.checkpoint.state import TrainState
 
 __all__ = ["Checkpointer", "TrainState"]

@@ -1,17 +1,16 @@
-"""The six buckets: what goes into a checkpoint and how it goes back.
+"""The model bucket's tensors and the keys the buckets are stored under.
 
-model and optimizer go into the DCP payload (sharded; DCP reshards them on load; the optimizer's
-state by parameter name, see optim_state). progress,
-lr_scheduler(s) and the train loader are rank-identical ("shared" extra state); RNG is per rank.
+The buckets themselves are the Stateful classes of `hyperacc.checkpoint.state` (model, optimizer,
+progress, lr_scheduler(s), train loader, RNG); this module holds what the model bucket needs to
+turn a live model into DCP's sharded state and back -- a tied parameter stored once, the
+trainable tensors only for an adapters-only model -- and the on-disk key of each model and optimizer.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 from typing import Dict, List
 
-import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -20,25 +19,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from hyperacc import kinds
 from hyperacc.checkpoint import _comm
 from hyperacc.checkpoint.optim_state import canonical_name
-from hyperacc.runtime.progress import Progress
 from hyperacc.sharding import reshard
 
 logger = logging.getLogger("hyperacc.checkpoint")
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Everything a checkpoint covers, built fresh by the Accelerator for each call."""
-
-    models: list
-    optimizers: list
-    schedulers: list
-    loader: object = None
-    progress: Progress = dataclasses.field(default_factory=Progress)
-    dp_rank: int = 0
-    dp_size: int = 1
-    seed: int = 0
-    precision: str = "fp32_master"      # the recipe (hyperacc.precision), recorded with every save
 
 
 def as_list(value) -> list:
@@ -142,55 +125,3 @@ def check_tied_copies(path: str, key: str, template: dict, aliases: Dict[str, st
                            "tied parameter in this model: it was saved from a model without that tie "
                            "(tie_word_embeddings=False); nothing was loaded. Build the model with the same tie as the "
                            "run that saved it.")
-
-
-# --------------------------------------------------------------------------- shared extra state
-def _plain(obj):
-    """numpy values -> Python/tensors so that the state loads with weights_only=True."""
-    if isinstance(obj, dict):
-        return type(obj)((k, _plain(v)) for k, v in obj.items()) if type(obj) is not dict else {
-            k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_plain(v) for v in obj)
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(obj))
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
-
-
-def shared_extra_state(state) -> dict:
-    """progress, lr_scheduler(s), train loader: identical on every rank."""
-    loader = state.loader
-    return {
-        "progress": state.progress.state_dict(),
-        "schedulers": [_plain(s.state_dict()) for s in as_list(state.schedulers)],
-        "loader": _plain(loader.state_dict()) if loader is not None and hasattr(loader, "state_dict") else None,
-    }
-
-
-def restore_shared_extra_state(state, extra: dict, *, optimizer_restored: bool) -> None:
-    state.progress.load_state_dict(extra["progress"])
-
-    schedulers = as_list(state.schedulers)
-    saved = extra.get("schedulers") or []
-    if len(saved) != len(schedulers):
-        warn0(f"The checkpoint holds {len(saved)} lr_scheduler(s) but training has {len(schedulers)}: "
-              f"restoring the first {min(len(saved), len(schedulers))} pair(s) in order, the rest start fresh.")
-    for scheduler, scheduler_state in zip(schedulers, saved):
-        scheduler.load_state_dict(scheduler_state)
-        if not optimizer_restored and hasattr(scheduler, "get_last_lr"):
-            # Without optimizer state the param groups still hold the initial LR: continue the schedule.
-            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
-                group["lr"] = lr
-
-    loader = state.loader
-    if loader is not None and hasattr(loader, "load_state_dict"):
-        if extra.get("loader") is None:
-            warn0("The checkpoint holds no train-loader state: the loader starts from its beginning.")
-        else:
-            loader.load_state_dict(extra["loader"])  # the loader validates (e.g. batch size changes)
-        if getattr(loader, "epoch", None) is not None:
-            state.progress.epoch = int(loader.epoch)

@@ -1,9 +1,11 @@
 """accelerate-compatible extras of a checkpoint: objects registered with `register_for_checkpointing`
 and the `<project_dir>/checkpoints/checkpoint_<i>` naming of `ProjectConfiguration`.
 
-Registered objects are written as accelerate writes them (`custom_checkpoint_<i>.pkl`, a state dict
-saved by the main process, before the checkpoint's `.metadata` and inside its integrity manifest) but
-read back with `weights_only=True`: a checkpoint never runs code.
+Registered objects join the checkpoint's dict of Stateful buckets (`hyperacc.checkpoint.state`) under
+``custom_checkpoint_<i>``: they are written as accelerate writes them (`custom_checkpoint_<i>.pkl`, a state
+dict saved by the main process, before the checkpoint's `.metadata` and inside its integrity manifest),
+their count is checked on rank 0 before anything loads, and they are read back with `weights_only=True`:
+a checkpoint never runs code.
 Automatic naming prunes old `checkpoint_<i>` directories for `total_limit`, but never a symlink.
 """
 from __future__ import annotations
@@ -23,22 +25,27 @@ logger = logging.getLogger("hyperacc.checkpoint")
 _AUTOMATIC = re.compile(r"^checkpoint_(\d+)$")
 
 
-def _path(directory: str, index: int) -> str:
-    return os.path.join(directory, f"custom_checkpoint_{index}.pkl")
+def key(index: int) -> str:
+    """The state-dict key (and file stem) of the ``index``-th registered object: accelerate's naming."""
+    return f"custom_checkpoint_{index}"
 
 
-def save(objects: List, directory: str, *, is_main: bool) -> Dict[str, dict]:
-    """Write each object's ``state_dict()`` (main process) before the checkpoint is complete; returns
-    their digests, which the checkpoint's integrity manifest then covers like its own files."""
+def _path(directory: str, name: str) -> str:
+    return os.path.join(directory, f"{name}.pkl")
+
+
+def save(objects: Dict[str, object], directory: str, *, is_main: bool) -> Dict[str, dict]:
+    """Write each object's ``state_dict()`` (main process; ``objects``: key -> object) before the checkpoint
+    is complete; returns their digests, which the checkpoint's integrity manifest then covers like its own files."""
     if not is_main:
         return {}
     digests = {}
-    for index, obj in enumerate(objects):
+    for name, obj in objects.items():
         buffer = io.BytesIO()
         torch.save(obj.state_dict(), buffer)
         data = buffer.getvalue()
-        containment.atomic_write(_path(directory, index), data)
-        digests[os.path.basename(_path(directory, index))] = integrity.digest_bytes(data)
+        containment.atomic_write(_path(directory, name), data)
+        digests[os.path.basename(_path(directory, name))] = integrity.digest_bytes(data)
     return digests
 
 
@@ -56,14 +63,21 @@ def save_files(files: Dict[str, bytes], directory: str, *, is_main: bool) -> Dic
     return digests
 
 
-def load(objects: List, directory: str) -> None:
-    found = sorted(name for name in os.listdir(directory) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", name))
-    if len(found) != len(objects):
-        raise RuntimeError(
-            f"{directory} holds {len(found)} custom checkpoint(s) but {len(objects)} object(s) are registered "
+def count_problem(directory: str, registered: int) -> Optional[str]:
+    """Rank 0, before anything loads: why the objects saved in ``directory`` cannot be restored into
+    ``registered`` objects, or None."""
+    found = [name for name in os.listdir(directory) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", name)]
+    if len(found) == registered:
+        return None
+    return (f"{directory} holds {len(found)} custom checkpoint(s) but {registered} object(s) are registered "
             "with register_for_checkpointing: register the same objects, in the same order, as the saving run.")
-    for index, obj in enumerate(objects):
-        obj.load_state_dict(torch.load(_path(directory, index), map_location="cpu", weights_only=True))
+
+
+def load(objects: Dict[str, object], directory: str) -> None:
+    """Each object's state, read with ``weights_only=True`` (a checkpoint never runs code); the count was
+    checked by `count_problem`."""
+    for name, obj in objects.items():
+        obj.load_state_dict(torch.load(_path(directory, name), map_location="cpu", weights_only=True))
 
 
 def _automatic_dirs(root: str) -> List[tuple]:

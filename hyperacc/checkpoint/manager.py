@@ -1,5 +1,13 @@
-"""Checkpointer: the one object the Accelerator talks to. It wires policy, storage, discovery, buckets,
-RNG, export, integrity, the directory lock and containment together; each lives in its own module."""
+"""Checkpointer: the storage layer around the checkpoint's state, and the one object the Accelerator talks to.
+
+What a checkpoint holds is a dict of `Stateful` buckets (`hyperacc.checkpoint.state`: model(s),
+optimizer(s), progress, lr_scheduler(s), train loader, RNG, and the user's registered objects), each
+saying where its state lives. The Checkpointer puts that dict on disk and back without knowing any
+bucket's insides: when to save (policy), where (discovery, lifecycle, containment), the single-writer
+lock, the integrity manifest written with the files and verified before a byte is trusted, the load plan
+checked on rank 0 and shared with every rank before any collective (restore), async saves, the sentinel
+and the Hugging Face export; each lives in its own module.
+"""
 from __future__ import annotations
 
 import concurrent.futures
@@ -10,12 +18,13 @@ from typing import Optional
 
 import torch
 
-from hyperacc.checkpoint import (_comm, buckets, containment, discovery, frozen_base, integrity, lifecycle,
-                                 optim_state, restore, rng, storage)
-from hyperacc.checkpoint.buckets import TrainState
+from hyperacc.checkpoint import (_comm, buckets, containment, custom_objects, discovery, frozen_base, integrity,
+                                 lifecycle, restore, storage)
 from hyperacc.checkpoint.export import export_hf
 from hyperacc.checkpoint.lock import DirLock, lock_shared
 from hyperacc.checkpoint.policy import SavePolicy
+from hyperacc.checkpoint.state import (DCP, FILE, PER_RANK, SHARED, ModelBucket, OptimizerBucket, TrainState, select,
+                                       state_dicts)
 from hyperacc.checkpoint.timing import PhaseClock
 from hyperacc.config import CheckpointConfig
 from hyperacc.sharding import reshard
@@ -24,7 +33,7 @@ logger = logging.getLogger("hyperacc.checkpoint")
 
 
 class Checkpointer:
-    """Saves and restores the six buckets with torch.distributed.checkpoint.
+    """Saves and restores a `TrainState`'s buckets (`TrainState.states`) with torch.distributed.checkpoint.
 
     ``save`` / ``load`` / ``on_step_end`` / ``finish`` / ``wait`` are collective: every rank calls
     them at the same point of the loop.
@@ -127,7 +136,8 @@ class Checkpointer:
         Asynchronous when ``config.is_async`` and not ``final``: returns once the state is staged
         in CPU memory. Returns the directory, or None when it already held a complete checkpoint
         (never overwritten). ``write_extra(path)`` writes more files there before the checkpoint is
-        complete, on every rank, and returns their digests (e.g. accelerate's registered objects)."""
+        complete, on every rank, and returns their digests (e.g. transformers' ``trainer_state.json``;
+        registered objects are buckets of ``state``)."""
         for guard in self.save_guards:      # e.g. StepChecks.verify: a non-finite step is never saved
             guard()
         self.wait()
@@ -148,50 +158,47 @@ class Checkpointer:
 
         timings = {"prepare_dir": time.perf_counter() - start}
         models = buckets.as_list(state.models)
-        optimizers = buckets.as_list(state.optimizers) if cfg.save_optimizer else []
-        payload, peft = {}, buckets.adapters_only(cfg, models)
+        peft = buckets.adapters_only(cfg, models)
         base = frozen_base.for_models(models, self.cpu_group, self._base_fingerprints) if peft else None
-        for i, model in enumerate(models):
-            payload[buckets.model_key(i)] = buckets.model_state(model, trainable_only=peft)
-        tied = [{alias: kept for alias, kept in buckets.tied_aliases(m).items() if kept in payload[buckets.model_key(i)]}
-                for i, m in enumerate(models)]     # stored once, under the kept key (recorded for readers)
-        for i, optimizer in enumerate(optimizers):
-            owner = buckets.optimizer_owner(models, i, len(optimizers))
-            payload[buckets.optimizer_key(i)] = optim_state.optimizer_state(owner, optimizer)
-
+        states = state.states(adapters_only=peft, optimizers=cfg.save_optimizer, device_type=self.device_type)
+        payload = state_dicts(states, DCP)       # model(s), optimizer(s): sharded
+        tied = [{alias: kept for alias, kept in bucket.tied().items() if kept in payload[key]}   # stored once,
+                for key, bucket in select(states, DCP, ModelBucket).items()]      # under the kept key (for readers)
         timings["state_dicts"] = time.perf_counter() - start - sum(timings.values())
         layout = "none"
         if cfg.save_train_state:
             layout = "per_rank" if cfg.save_extra_state_per_rank else "embedded"
+        sentinel = {"integrity": integrity.ALGORITHM if self.integrity else None,
+                    "global_step": step, "epoch": int(state.progress.epoch), "train_state": layout,
+                    "rng": "per_rank" if layout == "per_rank" else "not_saved", "models": len(models),
+                    "optimizers": len(select(states, DCP, OptimizerBucket)),
+                    "schedulers": len(states["schedulers"].schedulers) if layout != "none" else 0,
+                    "world_size": _comm.world_size(), "dp_size": int(state.dp_size),
+                    "peft": peft, "frozen_base": base, "seed": int(state.seed), "precision": state.precision,
+                    "tied": tied}
 
         def write_own_files():
             """This rank's files beside DCP's; returns their digests for the manifest."""
             digests = {}
             if layout != "none":
-                shared = buckets.shared_extra_state(state)
+                shared = state_dicts(states, SHARED)    # progress, schedulers, loader
                 if layout == "per_rank":
-                    per_rank = {**shared, "rng": rng.get_rng_state(self.device_type), "rank": _comm.rank(),
+                    per_rank = {**shared, **state_dicts(states, PER_RANK), "rank": _comm.rank(),   # + rng
                                 "world_size": _comm.world_size(), "dp_rank": int(state.dp_rank),
                                 "dp_size": int(state.dp_size)}
                     file = storage.extra_state_path(path, _comm.rank())
                     digests[os.path.relpath(file, path)] = storage.atomic_save(per_rank, file)
                 else:
                     payload[storage.EMBEDDED_EXTRA_KEY] = storage.bytes_to_tensor(storage.dumps(shared))
+            digests.update(custom_objects.save(select(states, FILE), path,
+                                               is_main=_comm.rank() == 0))
             if write_extra is not None:
                 digests.update(write_extra(path))
             if _comm.rank() == 0 and self.run_config is not None:
                 containment.atomic_write(os.path.join(path, containment.RUN_CONFIG_FILE), self.run_config)
                 digests[containment.RUN_CONFIG_FILE] = integrity.digest_bytes(self.run_config.encode("utf-8"))
             if _comm.rank() == 0:
-                digests[storage.SENTINEL_FILE] = storage.write_sentinel(path, {
-                    "integrity": integrity.ALGORITHM if self.integrity else None,
-                    "global_step": step, "epoch": int(state.progress.epoch), "train_state": layout,
-                    "rng": "per_rank" if layout == "per_rank" else "not_saved",
-                    "models": len(models), "optimizers": len(optimizers),
-                    "schedulers": len(buckets.as_list(state.schedulers)) if layout != "none" else 0,
-                    "world_size": _comm.world_size(), "dp_size": int(state.dp_size),
-                    "peft": peft, "frozen_base": base, "seed": int(state.seed), "precision": state.precision,
-                    "tied": tied})
+                digests[storage.SENTINEL_FILE] = storage.write_sentinel(path, sentinel)
             return digests
 
         digests = _comm.run_on_every_rank(write_own_files, self.cpu_group)   # one rank failing stops all
@@ -239,53 +246,47 @@ class Checkpointer:
             return None
         clock = PhaseClock()
         models = buckets.as_list(state.models)
-        optimizers = buckets.as_list(state.optimizers) if cfg.restore_optimizer else []
+        peft = buckets.adapters_only(cfg, models)
+        states = state.states(adapters_only=peft, optimizers=cfg.restore_optimizer, device_type=self.device_type)
+        model_buckets, optimizers = select(states, DCP, ModelBucket), select(states, DCP, OptimizerBucket)
         for model in models:      # an evaluation forward leaves units unsharded: read the sharded parameters
             reshard(model)
-        owners = [buckets.optimizer_owner(models, i, len(optimizers)) for i in range(len(optimizers))]
-        live_groups = [optim_state.group_names(o, opt) for o, opt in zip(owners, optimizers)]
-        peft = buckets.adapters_only(cfg, models)
-        templates = [buckets.model_state(m, trainable_only=peft) for m in models]
-        model_keys = [{f"{buckets.model_key(i)}.{k}": tuple(v.shape) for k, v in t.items()}   # key -> shape
-                      for i, t in enumerate(templates)]
+        live_groups = [bucket.group_names() for bucket in optimizers.values()]
+        templates = {key: bucket.state_dict() for key, bucket in model_buckets.items()}   # DCP loads into them
+        model_keys = [{f"{key}.{k}": tuple(v.shape) for k, v in t.items()} for key, t in templates.items()]
         path, self._damaged = restore.trusted_checkpoint(source, cfg.checkpoint_dir, self.integrity, self.cpu_group,
                                                          lock=self._lock if cfg.save_ckpt else None)
         clock.lap("verify")
         if path is None:
             return None
         base = frozen_base.for_models(models, self.cpu_group) if peft else None     # fresh: checked as it is now
-        tied = [buckets.tied_aliases(m) for m in models]
+        tied = [bucket.tied() for bucket in model_buckets.values()]
         plan = _comm.decide_on_rank0(
-            lambda: restore.plan_load(cfg, path, model_keys, live_groups, state, adapters_only=peft,
-                                      frozen=base, tied=tied), self.cpu_group)
+            lambda: restore.plan_load(cfg, path, model_keys, live_groups, state, adapters_only=peft, frozen=base,
+                                      tied=tied, registered_objects=len(select(states, FILE))), self.cpu_group)
         clock.lap("plan")
 
-        for i, aliases in enumerate(plan.get("tied_copies") or []):      # an older checkpoint's second copy of a tie
-            if aliases:
-                buckets.check_tied_copies(path, buckets.model_key(i), templates[i], {a: tied[i][a] for a in aliases},
-                                          self.cpu_group)
-        payload = {buckets.model_key(i): t for i, t in enumerate(templates)}
-        n_opt = len(plan["optim"])
-        for i in range(n_opt):
-            payload[buckets.optimizer_key(i)] = optim_state.state_template(
-                owners[i], optimizers[i], plan["optim"][i]["structure"])
+        for (key, template), aliases, live in zip(templates.items(), plan.get("tied_copies") or [], tied):
+            if aliases:         # an older checkpoint's second copy of a tie
+                buckets.check_tied_copies(path, key, template, {a: live[a] for a in aliases}, self.cpu_group)
+        payload = dict(templates)
+        restored = list(optimizers.items())[:len(plan["optim"])]      # the checkpoint may hold fewer
+        for (key, bucket), saved in zip(restored, plan["optim"]):
+            payload[key] = bucket.load_template(saved["structure"])
         if plan["layout"] == "embedded" and cfg.restore_train_state:
             payload[storage.EMBEDDED_EXTRA_KEY] = torch.empty(plan["embedded_numel"], dtype=torch.uint8)
-        strict = tuple(f"{buckets.model_key(i)}." for i in range(len(models)))    # (PEFT: the trainable keys)
+        strict = tuple(f"{key}." for key in model_buckets)    # (PEFT: the trainable keys)
         clock.lap("state_dicts")
         storage.dcp_load(payload, path, strict_prefixes=strict, process_group=self.cpu_group)
         clock.lap("dcp")
 
-        for i, model in enumerate(models):
-            buckets.restore_model(model, payload[buckets.model_key(i)], strict=not peft)
-        for i in range(n_opt):
-            optim_state.apply(owners[i], optimizers[i], payload[buckets.optimizer_key(i)], plan["optim"][i]["groups"])
-
+        for key, bucket in model_buckets.items():
+            bucket.load_state_dict(payload[key])
+        for (key, bucket), saved in zip(restored, plan["optim"]):
+            bucket.load_state_dict({**payload[key], "param_groups": saved["groups"]})
         clock.lap("apply")
-        if cfg.restore_train_state and not plan.get("model_only"):
-            _comm.run_on_every_rank(
-                lambda: restore.restore_train_state(state, plan, payload, optimizer_restored=n_opt > 0,
-                                                    device_type=self.device_type), self.cpu_group)
+        states["schedulers"].optimizer_restored = bool(restored)   # else the schedule sets the groups' LR
+        _comm.run_on_every_rank(lambda: restore.restore_train_state(states, state, plan, payload, cfg), self.cpu_group)
         clock.lap("train_state")
         self.policy.note_restored(int(state.progress.global_step), int(state.progress.epoch))
         self._last_saved_path = path if discovery.step_of(path) == int(state.progress.global_step) else None

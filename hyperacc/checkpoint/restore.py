@@ -12,8 +12,9 @@ import os
 import warnings
 from typing import List, Optional
 
-from hyperacc.checkpoint import (_comm, buckets, discovery, frozen_base, integrity, lifecycle, optim_state, rng,
-                                 storage)
+from hyperacc.checkpoint import (_comm, buckets, custom_objects, discovery, frozen_base, integrity, lifecycle,
+                                 optim_state, storage)
+from hyperacc.checkpoint.state import FILE, PER_RANK, SHARED, select
 
 logger = logging.getLogger("hyperacc.checkpoint")
 warn0 = buckets.warn0
@@ -147,13 +148,18 @@ def _tied_hint(sentinel: dict, missing: List[str]) -> Optional[str]:
 
 
 def plan_load(cfg, path: str, model_keys, live_groups: List[List[List[str]]], state, *,
-              adapters_only: bool = False, frozen: Optional[list] = None, tied: Optional[list] = None) -> dict:
+              adapters_only: bool = False, frozen: Optional[list] = None, tied: Optional[list] = None,
+              registered_objects: int = 0) -> dict:
     """Rank 0: check everything that could fail, before any collective. ``live_groups``: per
     optimizer to restore, its param groups' parameter names. ``model_keys``: what must be there
     (``adapters_only``: the trainable tensors). ``frozen``: the live frozen base's fingerprints
     (`frozen_base`), checked against the checkpoint's. ``tied``: per model, its tied ``{alias: kept}``
     keys (`buckets.tied_aliases`); the plan's ``tied_copies`` names the aliases a checkpoint written
-    before ties were stored once still holds, which the load checks equal to their kept key."""
+    before ties were stored once still holds, which the load checks equal to their kept key.
+    ``registered_objects``: how many objects are registered (accelerate's ``register_for_checkpointing``)."""
+    problem = custom_objects.count_problem(path, registered_objects)
+    if problem:
+        raise RuntimeError(problem)
     sentinel = storage.read_sentinel(path) or {}
     available = storage.read_dcp_metadata(path).state_dict_metadata
     missing = [k for keys in model_keys for k in keys if k not in available]
@@ -251,7 +257,16 @@ def _plan_train_state(cfg, path, sentinel, available, plan, state) -> None:
 
 
 # --------------------------------------------------------------------------- train state
-def restore_train_state(state, plan, payload, *, optimizer_restored: bool, device_type: str) -> None:
+def restore_train_state(states: dict, state, plan: dict, payload: dict, cfg) -> None:
+    """On every rank, after the DCP load: the extra-state buckets (progress, lr_scheduler(s), loader) from
+    the embedded item or this rank's file, this rank's RNG (or re-derived where the saved streams cannot
+    be mapped onto the ranks), then the registered objects (their count was checked by the plan)."""
+    if cfg.restore_train_state and not plan.get("model_only"):
+        _restore_extra_state(states, state, plan, payload)
+    custom_objects.load(select(states, FILE), plan["path"])
+
+
+def _restore_extra_state(states: dict, state, plan: dict, payload: dict) -> None:
     path = plan["path"]
     if plan["layout"] == "embedded":
         extra = storage.tensor_to_obj(payload[storage.EMBEDDED_EXTRA_KEY], f"extra_state in {path}")
@@ -259,10 +274,12 @@ def restore_train_state(state, plan, payload, *, optimizer_restored: bool, devic
         own = _comm.rank() if plan["same_topology"] else 0
         extra = storage.load_weights_only(storage.extra_state_path(path, own),
                                           f"extra_state file of rank {own} in {path}")
-    buckets.restore_shared_extra_state(state, extra, optimizer_restored=optimizer_restored)
+    for key, bucket in select(states, SHARED).items():      # in order: the loader's epoch is progress's
+        bucket.load_state_dict(extra.get(key))
     step = int(state.progress.global_step)
     if plan["layout"] == "per_rank" and plan["same_topology"] and "rng" in extra:
-        rng.set_rng_state(extra["rng"], device_type)
+        for key, bucket in select(states, PER_RANK).items():
+            bucket.load_state_dict(extra[key])
         return
     why = ("the checkpoint keeps no per-rank RNG (embedded extra-state layout)" if plan["layout"] == "embedded"
            else f"the topology changed (saved world size {plan['saved_world_size']}, dp size "
@@ -272,4 +289,4 @@ def restore_train_state(state, plan, payload, *, optimizer_restored: bool, devic
     else:
         warn0(f"RNG states not restored because {why}: re-deriving them from (seed={state.seed}, "
               f"step={step}, rank).")
-    rng.rederive_rng(int(state.seed), step, _comm.rank(), device_type)
+    states["rng"].rederive(int(state.seed), step)
