@@ -182,7 +182,6 @@ def measure_export(model, out_root, rows, max_shard):
 
 def compare_exports(out_root):
     """What the DCP writer wrote, against hyperacc's export (same file plan)."""
-    import torch
     from safetensors import safe_open
 
     ours, theirs = os.path.join(out_root, "ours"), os.path.join(out_root, "dcp")

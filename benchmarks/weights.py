@@ -50,7 +50,6 @@ def _rss() -> int:
 
 # --------------------------------------------------------------------------- worker (one rank)
 def worker(args):
-    import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SLOW
 from dist_utils import max_rel, run_layouts
 
 STEPS, SAVE_STEP = 20, 15

@@ -76,7 +76,7 @@ def read_jsonl_last(path):
 
 
 def test_log_line_cadence_and_format(tmp_path):
-    lines, path, evaluated = [], tmp_path / "m.jsonl", []
+    lines, path = [], tmp_path / "m.jsonl"
     with MetricsLogger(metrics_file=str(path), logging_steps=3, max_steps=7, progress_bar=False,
                        log_fn=lines.append) as logger:
         returned = [logger.log_step(step=s, rank_shares={"loss": torch.tensor(1.0 / s)}, step_time=0.5 * s,

@@ -14,7 +14,6 @@ import os
 import shutil
 from typing import Union
 
-from hyperacc.checkpoint import _comm
 from hyperacc.errors import ForeignPathError  # noqa: F401 - defined with every error class
 
 logger = logging.getLogger("hyperacc.checkpoint")

@@ -11,7 +11,7 @@ import re
 import warnings
 from typing import List, Optional, Tuple
 
-from hyperacc.checkpoint import _comm, containment
+from hyperacc.checkpoint import containment
 from hyperacc.errors import ForeignCheckpointError  # noqa: F401 - defined with every error class
 
 POINTER_FILE = "latest_checkpoint_iteration.txt"

@@ -33,7 +33,7 @@ import time
 import warnings
 from typing import Iterable, List, Optional
 
-from hyperacc.checkpoint import _comm, containment, discovery
+from hyperacc.checkpoint import containment, discovery
 from hyperacc.errors import CheckpointDirInUse  # noqa: F401 - defined with every error class
 
 logger = logging.getLogger("hyperacc.checkpoint")

@@ -19,7 +19,7 @@ that cannot run on this device is an error before any collective, never a silent
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 import torch.nn as nn

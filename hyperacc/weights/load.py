@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from hyperacc import kinds
 from hyperacc.weights import layout
-from hyperacc.weights.files import WeightFiles, WeightsError, has_safetensors, resolve_model_dir
+from hyperacc.weights.files import WeightFiles, WeightsError
 
 logger = logging.getLogger("hyperacc.weights")
 SOURCE_ATTR = "hyperacc_weights_source"

@@ -1,7 +1,6 @@
 """Which public members of accelerate.Accelerator hyperacc.Accelerator lacks, and whether each name on
 hyperacc.accelerator.NOT_SUPPORTED raises a NotImplementedError that names it. One process, no
 launcher; prints one `METRIC {json}` line."""
-import inspect
 import json
 
 import accelerate

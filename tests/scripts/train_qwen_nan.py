@@ -15,7 +15,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(REPO, "examples"))
 sys.path.insert(0, REPO)
 
-import torch  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: E402
 
 import train_qwen  # noqa: E402
