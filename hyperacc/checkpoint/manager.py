@@ -10,7 +10,6 @@ and the Hugging Face export; each lives in its own module.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import time
@@ -20,6 +19,7 @@ import torch
 
 from hyperacc.checkpoint import (_comm, buckets, containment, custom_objects, discovery, frozen_base, integrity,
                                  lifecycle, restore, storage)
+from hyperacc.checkpoint.async_save import AsyncSaves
 from hyperacc.checkpoint.export import export_hf
 from hyperacc.checkpoint.lock import DirLock, lock_shared
 from hyperacc.checkpoint.policy import SavePolicy
@@ -54,11 +54,7 @@ class Checkpointer:
         self._lock = DirLock(self.config.checkpoint_dir)
         self._foreign_warned: set = set()
         self.policy = SavePolicy(self.config.save_ckpt, self.config.save_steps, self.config.save_epochs)
-        self._pending: Optional[concurrent.futures.Future] = None
-        self._pending_path: Optional[str] = None
-        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._async_group = None
-        self._stager = None
+        self._async = AsyncSaves()
         self._last_saved_path: Optional[str] = None
         self.last_save_timings: dict = {}   # seconds the caller was blocked, by phase
         self.last_load_timings: dict = {}
@@ -88,7 +84,7 @@ class Checkpointer:
             return None
         if not self._history_checked and self.saves_into_checkpoint_dir:   # a fresh run learns at its first
             self._check_history()       # step, not its first save, that checkpoint_dir holds another run's checkpoints
-        self._reap_finished_async()
+        self._async.reap()
         loader_epoch = getattr(state.loader, "epoch", None)
         epoch = int(loader_epoch) if loader_epoch is not None else int(state.progress.epoch)
         reason = self.policy.step_end(int(state.progress.global_step), epoch)
@@ -115,19 +111,17 @@ class Checkpointer:
                 if not _comm.broadcast_object(os.path.isdir(hf_dir), self.cpu_group):
                     export_hf(buckets.as_list(state.models)[0], hf_dir, group=self.cpu_group)
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
+            self._async.close()
             self._lock.release()
 
     def wait(self) -> None:
         """Block until the in-flight async save (if any) completed; re-raise its error."""
-        pending, self._pending, self._pending_path = self._pending, None, None
-        if pending is not None:
-            pending.result()
+        self._async.wait()
+
+    @property
+    def _pending(self):
+        """The async save in flight (a Future), or None."""
+        return self._async.pending
 
     def save(self, state: TrainState, *, output_dir: Optional[str] = None, final: bool = False,
              write_extra=None) -> Optional[str]:
@@ -206,15 +200,8 @@ class Checkpointer:
 
         timings["extra_state"] = time.perf_counter() - start - sum(timings.values())
         if cfg.is_async and not final:
-            if self._stager is None:
-                self._stager = storage.ReusableCpuStager()
-            upload = storage.dcp_async_save(payload, path, process_group=self._async_process_group(),
-                                            stager=self._stager, storage_writer=writer)
+            self._async.start(payload, path, writer, lambda: self._after_complete(path, step))
             del payload  # staged: the training step may now change parameters and optimizer state
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hyperacc-ckpt")
-            self._pending = self._executor.submit(self._complete_async, upload, path, step)
-            self._pending_path = path
         else:
             # dcp.save returns on every rank only after the coordinator wrote .metadata (its last step
             # is a collective): that is the opening barrier. Then rank 0 moves LATEST and prunes;
@@ -358,27 +345,7 @@ class Checkpointer:
         os.makedirs(path, exist_ok=True)
         return "ok"
 
-    def _async_process_group(self):
-        """A dedicated gloo group: the background thread's collectives must not interleave with
-        the training loop's on the same group."""
-        if not _comm.distributed():
-            return None
-        if self._async_group is None:
-            import torch.distributed as dist
-            self._async_group = dist.new_group(backend="gloo")
-        return self._async_group
-
-    def _complete_async(self, upload: concurrent.futures.Future, path: str, step: int) -> str:
-        upload.result()  # on rank 0 this returns after every rank's files and .metadata are written
-        if _comm.rank() == 0:
-            self._after_complete(path, step)
-        return path
-
-    def _reap_finished_async(self) -> None:
-        if self._pending is not None and self._pending.done():
-            self.wait()
-
     def _after_complete(self, path: str, step: int) -> None:
         """Rank 0, once the save is complete: move the LATEST pointer, then apply retention."""
         lifecycle.after_save(self.config.checkpoint_dir, path, step, self.config.keep_last_n,
-                             protect=(path, self._pending_path), warned=self._foreign_warned)
+                             protect=(path, self._async.pending_path), warned=self._foreign_warned)
