@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import zlib
+from types import SimpleNamespace
 from typing import Dict, List
 
 import torch
@@ -39,11 +40,18 @@ from hyperacc.sharding.fsdp import _copy_into
 
 # --------------------------------------------------------------------------- checks before any collective
 def check_layout(model: nn.Module, tp_size: int, ep_size: int) -> None:
+    """`check_parallel` with the sizes given one by one."""
+    check_parallel(model, SimpleNamespace(tp_size=tp_size, ep_size=ep_size))
+
+
+def check_parallel(model: nn.Module, parallel) -> None:
     """Refuse, in one line, what is not proven exact: adapters on parameters (``target_parameters``)
     and adapters under tensor or expert parallelism (a LoRA A of a column-parallel layer would be
-    replicated and its B sharded; PEFT's own TP support assumes another mesh)."""
+    replicated and its B sharded; PEFT's own TP support assumes another mesh). ``parallel``: a
+    `hyperacc.ParallelConfig` (its ``tp_size`` and ``ep_size``). The PEFT kind's `check_layout`."""
     if not is_peft_model(model):
         return
+    tp_size, ep_size = parallel.tp_size, parallel.ep_size
     wrapped = [name for name, layer in tuner_layers(model) if type(layer).__name__ == "ParamWrapper"]
     if wrapped:
         raise NotImplementedError(
