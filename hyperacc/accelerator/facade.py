@@ -71,6 +71,10 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         self.save_on_end: Optional[bool] = None     # end_training's final save; None: when saves were asked for
         self.seed = DEFAULT_SEED if seed is None else int(seed)
         self._router_aux_mode = router_aux_loss
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            raise TypeError(f"Accelerator(parallelize_fn={parallelize_fn!r}): not a function. Fix: pass a function "
+                            "fn(model, mesh, fsdp_config) that lays the model out in place (see "
+                            "hyperacc.sharding.parallelize, the default), or leave parallelize_fn unset.")
         self._parallelize_fn = parallelize_fn
 
         # Validate the parallel sizes against the world, then start the process group: both before
