@@ -295,6 +295,11 @@ def test_parallelize_fn_replaces_the_pipeline():
     acc.free_memory()
 
 
+def test_parallelize_fn_that_is_not_a_function_is_one_error():
+    with pytest.raises(TypeError, match=r"parallelize_fn='fsdp'\): not a function. Fix: pass a function"):
+        hyperacc.Accelerator(parallelize_fn="fsdp")
+
+
 if __name__ == "__main__":        # the 2-process run: torchrun tests/test_model_kinds.py OUT_DIR
     result = toy_run(sys.argv[1])
     if int(os.environ.get("RANK", "0")) == 0:
