@@ -3,8 +3,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hyperacc-installed
+DOCS_STAMP := $(VENV)/.hyperacc-docs-installed
 
-.PHONY: demo lint test test-all bench rehearse
+.PHONY: demo lint test test-all bench rehearse docs
 
 $(STAMP): setup.py
 	python3 -m venv $(VENV)
@@ -30,3 +31,10 @@ bench: $(STAMP)
 
 rehearse: $(STAMP)   # Qwen3-30B-A3B at true width (1 layer) on 8 CPU processes: EP 8 and FSDP 8, save + bitwise resume
 	HF_HUB_OFFLINE=1 $(PY) examples/rehearse_30b.py
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)   # the site under build/site; reference pages generated from the code (docs/gen_reference.py)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict

@@ -31,5 +31,6 @@ setup(
         "npu": ["torch-npu"],
         "tensorboard": ["tensorboard"],
         "plot": ["matplotlib"],
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10"],
     },
 )
