@@ -11,7 +11,7 @@ README = (REPO / "README.md").read_text()
 SECTIONS = ["Quick start", "Coming from accelerate", "The micro-batch dataloader", "Checkpoints",
             "Configuration: YAML + typed command-line overrides", "Step metrics", "Precision recipes",
             "Replica guard", "Fine-tuning with LoRA", "Compiling the blocks (`FSDPConfig.compile`)",
-            "Using hyperacc under Trainer / TRL", "Instruction data", "Iterable and streaming datasets"]
+            "Using hyperacc under Trainer / TRL", "Instruction data", "Iterable and streaming datasets", "Architecture"]
 
 
 def first_python_block(heading: str) -> str:
