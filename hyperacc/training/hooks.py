@@ -29,8 +29,10 @@ orders, which the hyperacc objects below get when registered as they are:
     DEFAULT = 500        your hooks (the example's evaluation)
     SAVE = 900           the Accelerator's save policy (CheckpointConfig.save_steps / save_epochs)
 
-Cost per step: a few Python calls per hook, no device work of its own (measured in the report of
-issue 39: tens of microseconds per step for the example's six hooks).
+Cost per step: a few Python calls per hook and no device work or host read of its own
+(benchmarks/step_hooks.py, tiny Qwen3-MoE on the loaded 2-core CPU machine: 2.7 µs per step to run six
+hooks that do nothing; the example's hooks vs the same objects called one by one, +14 to +18 µs per
+step median, 0.05-0.06 % of a 29 ms step, within that machine's noise).
 """
 from __future__ import annotations
 
