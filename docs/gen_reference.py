@@ -238,13 +238,13 @@ def accelerator_members() -> dict:
 
 
 def _self_assignments(source: str) -> set:
-    """Public ``self.<name> = ...`` targets in a piece of source."""
+    """Public names assigned as ``self.<name> = ...`` (not ``self.<name>.<attr> = ...``) in a piece of source."""
     names = set()
     for node in ast.walk(ast.parse(textwrap.dedent(source))):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, (ast.AnnAssign, ast.AugAssign)) else []
         for target in targets:
-            for sub in ast.walk(target):
+            for sub in target.elts if isinstance(target, ast.Tuple) else [target]:
                 if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self"
                         and not sub.attr.startswith("_")):
                     names.add(sub.attr)
