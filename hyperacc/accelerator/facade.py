@@ -113,22 +113,27 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
     # ------------------------------------------------------------------ identity
     @property
     def device(self) -> torch.device:
+        """This process's device (NPU, CUDA or CPU, detected once; ``HYPERACC_DEVICE`` forces one)."""
         return self.runtime.device
 
     @property
     def mesh(self):
+        """The dense DeviceMesh (``dp_replicate`` x ``dp_shard`` x ``cp`` x ``tp``), built once."""
         return self._mesh.mesh
 
     @property
     def torch_device_mesh(self):
+        """accelerate's name for the mesh: the same object as `mesh`."""
         return self._mesh.mesh
 
     @property
     def dp_rank(self) -> int:
+        """This rank's data-parallel index (ranks that share it -- tp and cp peers -- read the same samples)."""
         return self._mesh.dp_rank
 
     @property
     def dp_size(self) -> int:
+        """The number of data-parallel ranks: dp_replicate x dp_shard (the loader splits each step over them)."""
         return self._mesh.dp_size
 
     @property
