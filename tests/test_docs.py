@@ -62,10 +62,25 @@ def test_config_reference_lists_every_field(gen):
             f"docs/reference_notes.py FIELD_NOTES[{cls.__name__!r}] must have one note per field")
         section = page.split(f"## {cls.__name__}\n", 1)[1].split("\n## ", 1)[0]
         for name in fields:
-            assert re.search(rf"^\| `{name}`<br>", section, flags=re.M), f"{cls.__name__}.{name} missing"
+            assert len(re.findall(rf"^\| `{name}` \|", section, flags=re.M)) == 2, f"{cls.__name__}.{name} missing"
     for doc in gen.config_fields():     # every field the environment can set shows its variable
         if doc.env:
             assert f"`{doc.env}`" in page
+
+
+def test_example_flags_page_lists_every_flag(gen):
+    import typing
+
+    from hyperacc.tools.cli_config import Component
+
+    schema = gen.train_config()
+    page, hints = gen.example_page(), typing.get_type_hints(schema)
+    for section in dataclasses.fields(schema):
+        assert f"## `{section.name}`" in page
+        if isinstance(section.default_factory(), Component):
+            continue
+        for field in dataclasses.fields(hints[section.name]):
+            assert f"| `--{section.name}.{field.name}` |" in page, f"--{section.name}.{field.name} missing"
 
 
 def test_accelerator_reference_lists_every_member(gen):
