@@ -234,16 +234,16 @@ def test_a_truncated_file_is_refused_when_the_table_is_built(models, tmp_path):
     assert header_metadata(str(models / "moe" / "model.safetensors")) == {"format": "pt"}
 
 
-def test_readme_snippet_runs(tmp_path):
+def test_docs_snippet_runs(tmp_path):
+    """The first snippet of docs/guides/weights.md (test_docs runs it only in the slow set)."""
     import re
     import subprocess
     import sys
 
     from dist_utils import _env
 
-    readme = (REPO / "README.md").read_text()
-    section = re.search(r"^## Pretrained weights\n(.*?)(?=^## )", readme, flags=re.S | re.M).group(1)
-    (tmp_path / "snippet.py").write_text(re.findall(r"```python\n(.*?)```", section, flags=re.S)[0])
+    page = (REPO / "docs" / "guides" / "weights.md").read_text()
+    (tmp_path / "snippet.py").write_text(re.findall(r"```python\n(.*?)```", page, flags=re.S)[0])
     proc = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
