@@ -10,7 +10,8 @@ import os
 from hyperacc.errors import ConfigError
 
 
-# What a checkpoint directory holds at its top level (README "On disk"): no output of the run goes there.
+# What a checkpoint directory holds at its top level (docs/guides/checkpoints.md, "On disk"): no output of
+# the run goes there.
 CHECKPOINT_DIR_FILES = ("global_step_*", "latest_checkpoint_iteration.txt", "config.yaml", ".hyperacc.lock")
 
 

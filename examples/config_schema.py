@@ -98,11 +98,11 @@ class TrainingConfig:
     of one device (GB = 10^9 bytes); a plan that does not fit it stops the dry run and the training
     run before anything is built (None: not checked). ``collective_timeout_s``: a collective that
     waits longer (a rank died or hangs) stops the job with one line naming the silent rank(s), so an
-    elastic launcher can restart it (see README "Multi-node and fault tolerance").
+    elastic launcher can restart it (see docs/guides/resume.md).
     ``replica_check_steps``: every that many steps (and before each save) the copies that must agree
     across ranks -- HSDP replicas, parameters kept whole, the step and the loss -- are compared by
     checksum; a mismatch stops the job naming the parameter and ranks (0 = only before saves;
-    validate mode checks every step). See README "Replica guard"."""
+    validate mode checks every step). See docs/guides/resume.md, "Silent divergence: the replica guard"."""
 
     max_steps: int = 20
     global_batch_size: int = 8

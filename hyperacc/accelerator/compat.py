@@ -5,7 +5,7 @@ An accelerate script passes `fsdp_plugin=`, `parallelism_config=`, `mixed_precis
 it can (the FSDP plugin and the parallelism config become `FSDPConfig` / `ParallelConfig`) and
 refuses the rest with one error that names the argument, instead of a `TypeError` or a silent
 difference. The list of accelerate members hyperacc does not implement lives here too, so that the
-README, the member test and the `Accelerator` read one list.
+generated reference (docs/gen_reference.py), the member test and the `Accelerator` read one list.
 """
 from __future__ import annotations
 

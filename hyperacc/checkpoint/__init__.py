@@ -1,4 +1,4 @@
-"""Six-bucket checkpointing on torch.distributed.checkpoint (see README "Checkpoints").
+"""Six-bucket checkpointing on torch.distributed.checkpoint (see docs/guides/checkpoints.md).
 
 state (what: a dict of Stateful buckets), manager (the storage layer around it: policy, storage, discovery,
 lifecycle, integrity, lock), rng, export (HF).

@@ -17,6 +17,6 @@ def check_recipe_name(name: Optional[str]) -> str:
     name = DEFAULT_RECIPE if name is None else str(name)
     if name not in RECIPE_NAMES:
         raise ValueError(f"precision={name!r} is not a recipe; choose one of {', '.join(RECIPE_NAMES)} "
-                         f"(see README 'Precision recipes'). Fix: FSDPConfig.precision='{DEFAULT_RECIPE}' (the "
+                         f"(see docs/guides/precision.md). Fix: FSDPConfig.precision='{DEFAULT_RECIPE}' (the "
                          "default), or another recipe named above.")
     return name

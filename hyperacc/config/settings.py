@@ -158,7 +158,7 @@ CHECKPOINT_ENV_PREFIX = "HYPERACC_CHECKPOINT_"
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    """What is saved and restored, where and when. See README "Checkpoints".
+    """What is saved and restored, where and when. See docs/guides/checkpoints.md.
     Every field ``<name>`` can come from ``HYPERACC_CHECKPOINT_<NAME>`` in the environment.
 
     The defaults alone never make a training loop save (accelerate never saves unless asked): see
