@@ -14,8 +14,12 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+# A tiny Qwen3-MoE on 2 CPU processes, offline; its metrics, final checkpoint and resolved config go to a new
+# runs/demo-<time>/ each time (tests/test_demo_output.py runs these flags).
+DEMO_RUN := runs/demo-$(shell date +%Y%m%d-%H%M%S)
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml examples/train_qwen.py
+	HF_HUB_OFFLINE=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu_fsdp2_2proc.yaml examples/train_qwen.py \
+		--checkpoint.save_ckpt=true --checkpoint.checkpoint_dir=$(DEMO_RUN) --logging.metrics_file=$(DEMO_RUN)/metrics.jsonl
 
 lint: $(STAMP)   # the layers contract (.importlinter): a module imports only its own layer or a lower one
 	$(VENV)/bin/lint-imports --no-cache

@@ -102,7 +102,11 @@ class TrainingConfig:
     ``replica_check_steps``: every that many steps (and before each save) the copies that must agree
     across ranks -- HSDP replicas, parameters kept whole, the step and the loss -- are compared by
     checksum; a mismatch stops the job naming the parameter and ranks (0 = only before saves;
-    validate mode checks every step). See docs/guides/resume.md, "Silent divergence: the replica guard"."""
+    validate mode checks every step). See docs/guides/resume.md, "Silent divergence: the replica guard".
+    ``verbose``: also print the resolved config at the start (rank 0; ``--verbose`` for short). The file
+    holding it is written either way where the run keeps something: ``config.resolved.yaml`` in
+    ``checkpoint.checkpoint_dir`` when the run saves checkpoints, else beside ``logging.metrics_file``
+    (``metrics.jsonl`` -> ``metrics.config.resolved.yaml``); a run that keeps nothing writes nothing."""
 
     max_steps: int = 20
     global_batch_size: int = 8
@@ -119,6 +123,7 @@ class TrainingConfig:
     epochs: int = 1
     gc_steps: int = 0
     empty_cache_steps: int = 0
+    verbose: bool = False
 
     def validate(self):
         for name in ("max_steps", "global_batch_size", "micro_batch_size", "epochs"):

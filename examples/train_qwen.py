@@ -9,6 +9,9 @@
 
 Usage: train_qwen.py [CONFIG.yaml] [--section.field=value ...]   (--help lists every field)
 Without a YAML it trains the embedded default: a tiny Qwen3-MoE on the offline corpus/tokenizer.
+Rank 0 prints the step lines and ends with a summary (steps, loss, where the metrics, checkpoints and
+the resolved config went, what to try next); ``--verbose`` (= --training.verbose=true) also prints
+the resolved config at the start (examples/run_summary.py).
 A bad setting -- including a resume whose data, schedule, fine-tuning setup or model differ from the
 checkpoint's (--data.resume_mismatch=restart accepts other data) -- stops before anything is built:
 one `config error:` line, exit 2.
@@ -18,8 +21,11 @@ below is all there is to the training itself.
 import datetime
 import os
 import sys
+import time
 
-import yaml
+STARTED = time.monotonic()     # the summary's wall time counts the imports too
+
+import yaml  # noqa: E402
 
 # Make `import hyperacc` (and the schema beside this file) work from a source checkout.
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
@@ -32,6 +38,7 @@ from lora_setup import export_peft  # noqa: E402
 from model_setup import build_model, model_config  # noqa: E402,F401 - tests patch build_model here
 from preflight_checks import dry_run, memory_plan, preflight  # noqa: E402,F401
 from resume_checks import check_checkpoint_start  # noqa: E402,F401 - tests use it from here
+from run_summary import SummarySink, announce, summary  # noqa: E402
 from hyperacc.tools.cli_config import ConfigError, config_file, dump_config, format_config, given_keys, parse_config  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "qwen3_moe_tiny.yaml")
@@ -44,6 +51,7 @@ def load_config(argv):
     positional argument is the config file whatever its suffix (``my_config``, ``cfg.txt``): it is read
     as YAML, and one that is missing or does not parse is named in the error.
     """
+    argv = ["--training.verbose=true" if arg == "--verbose" else arg for arg in argv]   # the short form
     config_path = config_file(TrainConfig, argv)
     cfg = parse_config(TrainConfig, None if config_path else DEFAULT_CONFIG, argv=argv)
     check_switches(cfg, given_keys(TrainConfig, None if config_path else DEFAULT_CONFIG, argv))
@@ -70,6 +78,10 @@ def build_data(cfg, acc, tokenizer):
     from hyperacc.training import raise_if_any_rank_failed
 
     d = cfg.data
+    if not (acc.is_main_process and sys.stderr.isatty()):   # tokenizing bars: rank 0's, on a terminal (as the
+        import datasets                                      # training bar: in a log, redraws are noise)
+
+        datasets.disable_progress_bars()
 
     def dataset(split):
         if d.format == "chat":
@@ -131,7 +143,8 @@ def run_job(cfg, tokenizer, acc):
     validate = t.mode == "validate"
     heartbeat.phase = "starting"
     check_same_config(dump_config(cfg), group=acc.runtime.cpu_group)   # every node launched alike
-    acc.print(format_config(cfg))
+    if t.verbose:
+        acc.print(format_config(cfg))
     # Written atomically into each checkpoint, and as <checkpoint_dir>/config.yaml once a resume is accepted.
     acc.set_run_config(yaml.safe_dump(dump_config(cfg), sort_keys=False))
 
@@ -158,18 +171,21 @@ def run_job(cfg, tokenizer, acc):
     if acc.load_state() is not None:          # checkpoint.restore_from: a path or LATEST
         acc.print(f"resumed at step {acc.progress.global_step} (epoch {acc.progress.epoch})")
     last_saved = acc.progress.global_step     # a resumed step counts as saved
+    # The resolved config to its file, now that the start is accepted, and one line saying where (rank 0).
+    config_path = announce(cfg, acc.checkpoint_config.checkpoint_dir, acc.num_processes) if acc.is_main_process else None
     heartbeat.phase = "training"
 
     # Metrics, housekeeping, checks: step hooks, run by optimizer.step() and acc.step_end() in a fixed order
     # (hyperacc.training.hooks: checks before the update; guard, compile watch, metrics, cleanup, eval, save).
-    log = cfg.logging
+    log, outcome = cfg.logging, SummarySink()
     metrics = MetricsLogger(metrics_file=log.metrics_file, logging_steps=log.logging_steps,
                             tensorboard_dir=log.tensorboard_dir, progress_bar=log.progress_bar,
                             max_steps=t.max_steps, initial_step=acc.progress.global_step,
                             group=acc.runtime.cpu_group, device_type=acc.runtime.device_type,
                             consumed_tokens=acc.progress.consumed_tokens,
                             consumed_samples=acc.progress.consumed_samples,
-                            flush_on=(NonFiniteError, TokenIdError, hyperacc.ReplicaMismatchError))
+                            flush_on=(NonFiniteError, TokenIdError, hyperacc.ReplicaMismatchError),
+                            sinks=[outcome])
     cleanup = PeriodicCleanup(t.gc_steps, t.empty_cache_steps, acc.runtime.device_type)
     # Non-finite steps stop the job: checked on logging steps and before every save (validate: every step).
     checks = StepChecks(acc, validate=validate, check_every=log.logging_steps)
@@ -229,7 +245,11 @@ def run_job(cfg, tokenizer, acc):
         heartbeat.phase = "the PEFT exports"
         export_peft(cfg, acc, model, tokenizer)
     heartbeat.phase = "the final save"
+    main_process, checkpoint_dir = acc.is_main_process, acc.checkpoint_config.checkpoint_dir
     acc.end_training()                         # final save per the policy, process group down
+    if main_process:
+        print("\n".join(summary(cfg, outcome, checkpoint_dir=checkpoint_dir, config_path=config_path,
+                                started=STARTED)), flush=True)
 
 
 def main(argv=None):

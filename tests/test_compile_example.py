@@ -35,7 +35,7 @@ def _launch(tmp_path, name, args=(), dynamo=None):
 
 @pytest.mark.slow      # the compiled blocks run by default in tests/test_compile.py (library, 1 and 2 processes)
 def test_accelerate_dynamo_config_compiles_the_example_with_inductor(tmp_path):
-    proc, records = _launch(tmp_path, "inductor", dynamo={"dynamo_backend": "INDUCTOR"})
+    proc, records = _launch(tmp_path, "inductor", ["--verbose"], dynamo={"dynamo_backend": "INDUCTOR"})
     assert "compile: true" in proc.stdout and "compile_backend: inductor" in proc.stdout, proc.stdout[-3000:]
     summary = next(line for line in proc.stdout.splitlines() if line.startswith("torch.compile:"))
     compiled = int(summary.split()[1])

@@ -224,6 +224,13 @@ def require_accelerate_state(what: str) -> None:
                      "the Accelerator (hyperacc.Accelerator() or accelerate.PartialState()) before it.")
 
 
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):     # no isatty, or a closed stream
+        return False
+
+
 def _is_main_process() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -231,14 +238,16 @@ def _is_main_process() -> bool:
 class ConsoleSink(MetricsSink):
     """The logging step's line ``step=N loss=... lr=... grad_norm=... tokens/s=... step_time=...s``
     and ``eval step=N eval_loss=... eval_ppl=...``, through ``log_fn`` if given, else printed
-    (above the bar when there is one). ``progress_bar``: a tqdm bar on ``file`` (default stderr),
-    ``initial=initial_step``, ``total=max_steps``, postfix loss / lr / tokens per second."""
+    (above the bar when there is one). ``progress_bar``: a tqdm bar on ``file``,
+    ``initial=initial_step``, ``total=max_steps``, postfix loss / lr / tokens per second. Without
+    ``file`` the bar goes to stderr only when that is a terminal: in a log file or a pipe each redraw
+    would land between the step lines (which carry the same numbers), so there the lines stand alone."""
 
     def __init__(self, *, progress_bar: bool = True, max_steps: Optional[int] = None, initial_step: int = 0,
                  file=None, log_fn: Optional[Callable[[str], None]] = None):
         self._log_fn = log_fn
         self._bar = None
-        if progress_bar:
+        if progress_bar and (file is not None or _is_terminal(sys.stderr)):
             from tqdm import tqdm
             self._bar = tqdm(total=max_steps, initial=initial_step, desc="train", unit="step",
                              dynamic_ncols=True, file=file if file is not None else sys.stderr)
