@@ -27,7 +27,7 @@ lint: $(STAMP)   # the layers contract (.importlinter): a module imports only it
 test: $(STAMP) lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
-test-all: $(STAMP)   # also the slow set: every layout and resume case (~2x longer)
+test-all: $(STAMP) lint   # also the slow set: every layout and resume case (~2x longer)
 	HF_HUB_OFFLINE=1 HYPERACC_SLOW_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)
