@@ -19,39 +19,38 @@ def forwarded(cls):
     return cls
 
 
-
-# --------------------------------------------------------------------------- hyperacc.config.components
+# ------------------------------------------------------------ raised by hyperacc.config.components
 class ConfigError(ValueError):
     """A configuration problem found while parsing (before any training work starts)."""
 
 
-# --------------------------------------------------------------------------- hyperacc.runtime.watchdog
+# ------------------------------------------------------------ raised by hyperacc.runtime.watchdog
 class CollectiveTimeout(RuntimeError):
     """A collective timed out; the message names the step and the silent rank(s)."""
 
 
-# --------------------------------------------------------------------------- hyperacc.weights.files
+# ------------------------------------------------------------ raised by hyperacc.weights.files
 class WeightsError(ValueError):
     """The weights do not fit the model (or cannot be read): one line naming the key or file."""
 
 
-# --------------------------------------------------------------------------- hyperacc.data.megatron
+# ------------------------------------------------------------ raised by hyperacc.data.megatron
 class IndexedDatasetError(ValueError):
     """A ``.bin``/``.idx`` pair is missing, truncated, foreign or inconsistent."""
 
 
-# --------------------------------------------------------------------------- hyperacc.data.loader
+# ------------------------------------------------------------ raised by hyperacc.data.loader
 class DataResumeMismatch(ValueError):
     """The data or global batch size differs from the checkpoint's (``resume_mismatch='error'``): its
     own class, so that a script reports it as the configuration problem it is, not as a crash."""
 
 
-# --------------------------------------------------------------------------- hyperacc.training.accumulation
+# ------------------------------------------------------------ raised by hyperacc.training.accumulation
 class TokenIdError(ValueError):
     """A batch holds token ids outside the model's vocabulary (raised on every rank, before the forward)."""
 
 
-# --------------------------------------------------------------------------- hyperacc.training.step_checks
+# ------------------------------------------------------------ raised by hyperacc.training.step_checks
 class NonFiniteError(FloatingPointError):
     """A loss or gradient norm became NaN/Inf at ``step``: nothing from it on is saved."""
 
@@ -64,12 +63,12 @@ class DisagreementError(RuntimeError):
     """Values that must be identical on every rank differ (validate mode)."""
 
 
-# --------------------------------------------------------------------------- hyperacc.training.replica_guard
+# ------------------------------------------------------------ raised by hyperacc.training.replica_guard
 class ReplicaMismatchError(RuntimeError):
     """Copies of state that must be identical on several ranks differ."""
 
 
-# --------------------------------------------------------------------------- hyperacc.checkpoint.lock
+# ------------------------------------------------------------ raised by hyperacc.checkpoint.lock
 @forwarded
 class CheckpointDirLocked(RuntimeError):
     """Another job holds the checkpoint directory."""
@@ -81,37 +80,37 @@ class CheckpointDirNotShared(RuntimeError):
     uses another one; raised on every rank alike."""
 
 
-# --------------------------------------------------------------------------- hyperacc.checkpoint.lifecycle
+# ------------------------------------------------------------ raised by hyperacc.checkpoint.lifecycle
 @forwarded
 class CheckpointDirInUse(RuntimeError):
     """The run would mix its checkpoints with those of another run in one checkpoint_dir."""
 
 
-# --------------------------------------------------------------------------- hyperacc.checkpoint.discovery
+# ------------------------------------------------------------ raised by hyperacc.checkpoint.discovery
 @forwarded
 class ForeignCheckpointError(ValueError):
     """A directory holds another tool's checkpoint (accelerate's, transformers' Trainer's, a Hugging Face
     model): `load_state` cannot restore it exactly and `save_state` never writes into it."""
 
 
-# --------------------------------------------------------------------------- hyperacc.checkpoint.integrity
+# ------------------------------------------------------------ raised by hyperacc.checkpoint.integrity
 @forwarded
 class IntegrityError(RuntimeError):
     """A checkpoint's files do not match its manifest (or the manifest is missing/unreadable)."""
 
 
-# --------------------------------------------------------------------------- hyperacc.checkpoint.storage
+# ------------------------------------------------------------ raised by hyperacc.checkpoint.storage
 @forwarded
 class UnsafeCheckpointError(RuntimeError):
     """A checkpoint file holds something other than tensors and plain values."""
 
 
-# --------------------------------------------------------------------------- hyperacc.checkpoint.containment
+# ------------------------------------------------------------ raised by hyperacc.checkpoint.containment
 @forwarded
 class ForeignPathError(RuntimeError):
     """hyperacc was about to write into or delete something it does not own (a symlink)."""
 
 
-# --------------------------------------------------------------------------- hyperacc.checkpoint.convert
+# ------------------------------------------------------------ raised by hyperacc.checkpoint.convert
 class ConvertError(ValueError):
     """Bad input for the converter: one line naming the problem and the fix."""

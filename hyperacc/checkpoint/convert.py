@@ -87,7 +87,7 @@ def _config_from_run(checkpoint: str, embed_rows: Optional[int]):
         for key, value in overrides.items():
             setattr(config, key, value)
     elif model_section.get("preset", "tiny") == "tiny":
-    
+
         config = qwen3_moe_config(**overrides)
     else:
         raise ConvertError(f"{file}: model.preset={model_section.get('preset')!r} is unknown; pass --config-from HF_DIR.")
