@@ -30,3 +30,20 @@ def config_error(example, args, *, preflight=False) -> str:
     message = str(info.value)
     assert "\n" not in message and "Fix" in message, message
     return message
+
+
+def run_main(example, args, capsys) -> tuple:
+    """``example.main(args)`` in this process, as ``python examples/train_qwen.py ARGS`` runs it, for the
+    checks that stop before any process group exists (config errors, the dry run): (exit code, stdout,
+    stderr). A ConfigError reaches ``exit_with`` -- one line, ``sys.exit(2)`` -- exactly as in a process
+    of its own, and anything else escaping ``main`` fails the calling test with its traceback; a test
+    file keeps one plain-python run of the example for the interpreter's exit code (a process start-up
+    costs ~3 s, the check itself milliseconds)."""
+    capsys.readouterr()
+    try:
+        example.main([str(arg) for arg in args])
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -14,10 +14,10 @@ accelerate and a hyperacc run is the import, chosen by ACCEL_IMPL. Each script p
 - gather_for_metrics on uneven eval sets, save_model -> from_pretrained (full weights from FSDP2
   shards), member coverage of accelerate.Accelerator, resume through save_state/load_state.
 
-A 2-process launch costs 7-10 s of start-up, so the default set (about 3.5 min on an idle 2-core
-machine) is the 1-process comparisons of 8 scripts, one 2-process comparison (nlp_example), the
-grouped multi-process checks (one launch each side), one resume and the member probe. The other
-2-process comparisons, resumes and two 1-process comparisons run with HYPERACC_SLOW_TESTS=1.
+A 2-process launch costs 7-10 s of start-up, so the default set is the 1-process comparison of
+checkpointing.py, the grouped multi-process checks (one launch each side), one resume and the member
+probe. The 2-process comparisons, the other resumes and the other 1-process comparisons run with
+HYPERACC_SLOW_TESTS=1.
 """
 from __future__ import annotations
 
@@ -251,8 +251,13 @@ def _assert_weights_close(ref: dict, got: dict, rtol, atol, what):
 # complete_nlp_example combines checkpointing.py and tracking.py; memory, tracking and early_stopping
 # are nlp_example plus one accelerate utility each): they run with the slow set, keeping the default
 # suite within CI's budget.
+# nlp_example too: checkpointing.py is its loop (the same loaders built under main_process_first,
+# prepare, backward, gather_for_metrics of a tuple, print, end_training) plus save_state, and its
+# 1-process comparison runs by default (test_one_process_matches_accelerate[checkpointing], which
+# test_one_process_resume_mid_epoch_continues_exactly reuses).
 ONE_PROCESS_SLOW = ("multi_process_metrics", "complete_nlp_example", "memory", "tracking", "early_stopping",
-                    "gradient_accumulation", "gradient_accumulation_for_autoregressive_models", "run_clm_no_trainer")
+                    "gradient_accumulation", "gradient_accumulation_for_autoregressive_models", "run_clm_no_trainer",
+                    "nlp_example")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=slow) if n in ONE_PROCESS_SLOW else n for n in SCRIPTS])

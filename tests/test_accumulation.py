@@ -34,27 +34,35 @@ def reference(tmp_path_factory):
     return _run(tmp, "one", 1, "--grads", tmp / "grads1.pt"), tmp / "grads1.pt"
 
 
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    """2 processes x 2 micro-batches, and the full gradients of its first step (one launch serves the
+    consistency matrix and the padded-gradients check)."""
+    tmp = tmp_path_factory.mktemp("2x2")
+    return _run(tmp, "2x2", 2, "--grads", tmp / "grads2.pt"), tmp / "grads2.pt"
+
+
 @pytest.mark.parametrize("name,nproc,extra,micro", [   # recompute: also tests/test_router_aux.py (dp2 mb2)
     ("2x2", 2, [], 2),
     pytest.param("4x1", 4, [], 1, marks=pytest.mark.slow),
     pytest.param("2x2_recompute", 2, ["--recompute"], 2, marks=pytest.mark.slow),
     pytest.param("2x2_reduce_every", 2, ["--reduce-every"], 2, marks=pytest.mark.slow),
 ])
-def test_consistency_matrix(reference, tmp_path, name, nproc, extra, micro):
+def test_consistency_matrix(reference, request, tmp_path, name, nproc, extra, micro):
     ref, _ = reference
     assert ref["micro_batches"] == 4 and len(ref["losses"]) == STEPS
-    run = _run(tmp_path, name, nproc, *extra)
+    run = request.getfixturevalue("two_by_two")[0] if name == "2x2" else _run(tmp_path, name, nproc, *extra)
     assert run["micro_batches"] == micro
     assert _rel(ref["losses"], run["losses"]) <= 1e-5
     assert _rel(ref["grad_norms"], run["grad_norms"]) <= 1e-4
     assert run["tokens"] == ref["tokens"]
 
 
-def test_padded_gradients_equal_one_big_batch(reference, tmp_path):
-    """Unequal valid tokens per micro-batch and rank: grads == single-process token-mean grads."""
+def test_padded_gradients_equal_one_big_batch(reference, two_by_two):
+    """Unequal valid tokens per micro-batch and rank: grads == single-process token-mean grads (the
+    first step's gradients of the 1-process and the 2-process runs)."""
     _, grads_one_proc = reference
-    grads_path = tmp_path / "grads2.pt"
-    run_torchrun(SCRIPT, 2, [tmp_path / "two.json", "--steps", 1, "--pad", "--clip", "1e9", "--grads", grads_path])
+    _, grads_path = two_by_two
     import sys
     sys.path.insert(0, str(REPO / "tests" / "scripts"))
     from train_tiny import DATASET_SIZE, TokenDataset

@@ -2,7 +2,8 @@
 
 Launches: a 2-process cp 2 job that saves at step 5; one process for the cp = 1 reference and the
 resume of that cp 2 checkpoint at cp 1; a 4-process job for cp 4, dp_shard 2 x cp 2, tp 2 x cp 2
-(with recompute) and dp_shard 2 x cp 2 x ep 2; a 2-process launch of the bad inputs. Each layout
+(with recompute) and dp_shard 2 x cp 2 x ep 2 (slow set); a 2-process launch of the bad inputs, shared
+with tests/test_parallel.py's. Each layout
 trains 10 AdamW steps of 2+ micro-batches from the same seeded init on the same global batches
 (right-padded to a multiple of 4), and must match cp = 1 per step within 1e-5 relative.
 """
@@ -15,7 +16,7 @@ import torch
 
 from dist_utils import REPO, run_python, run_torchrun
 from hyperacc.parallel.context import ContextParallel, check_context_parallel, kv_replication
-from test_parallel import per_rank_case_lines
+from test_parallel import parallel_error_lines
 
 SCRIPT = REPO / "tests" / "scripts" / "train_parallel.py"
 STEPS, SAVE_STEP, RTOL = 10, 5, 1e-5
@@ -76,8 +77,8 @@ def test_resume_cp2_at_cp1_is_exact(runs):
     assert run["consumed_tokens"] == reference["consumed_tokens"]
 
 
-def test_bad_inputs_one_line_on_every_rank(tmp_path):
-    lines = per_rank_case_lines(tmp_path, 2, ["cp_seq", "cp_heads", "cp_unwrappable"])
+def test_bad_inputs_one_line_on_every_rank(tmp_path_factory):
+    lines = parallel_error_lines(tmp_path_factory)       # the launch shared with tests/test_parallel.py
     assert lines[0] == lines[1]
     assert lines[1]["cp_seq"].startswith("ValueError: sequence length 15 is not divisible by cp_size=2")
     assert "cp_size=2 does not divide Qwen3MoeForCausalLM's num_attention_heads=3" in lines[1]["cp_heads"]

@@ -26,11 +26,29 @@ def single(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+# One 2-process launch serves every 2-process check here (train_tiny.py runs them one after the other
+# with --then, each with its own Accelerator, model and loader): a launch's start-up costs more than a run.
+TWO_PROCESS_RUNS = {
+    "two": ["--steps", STEPS, "--meta"],
+    "recompute": ["--steps", STEPS, "--meta", "--recompute"],
+    "hsdp": ["--steps", STEPS, "--meta", "--replicate", 2],        # 2 replicas x 1 shard
+    "repeat": ["--steps", 8, "--repeat", "--lr", "1e-2"],
+}
+
+
 @pytest.fixture(scope="module")
-def two_procs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("two") / "out.json"
-    run_torchrun(SCRIPT, 2, [out, "--steps", STEPS, "--meta"])
-    return json.loads(out.read_text())
+def two_process_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("two")
+    argv = []
+    for name, args in TWO_PROCESS_RUNS.items():
+        argv += [*(["--then"] if argv else []), folder / f"{name}.json", *args]
+    run_torchrun(SCRIPT, 2, argv)
+    return {name: json.loads((folder / f"{name}.json").read_text()) for name in TWO_PROCESS_RUNS}
+
+
+@pytest.fixture(scope="module")
+def two_procs(two_process_runs):
+    return two_process_runs["two"]
 
 
 def test_two_processes_match_one_process(single, two_procs):
@@ -60,6 +78,13 @@ def test_scheduler_steps_once_per_optimizer_step(two_procs):
     assert two_procs["scheduler_steps"] == STEPS
 
 
+def test_hsdp_2x1_matches_single_process(single, two_process_runs):
+    hsdp = two_process_runs["hsdp"]
+    assert hsdp["dp_size"] == 2 and "Replicate()" in hsdp["placements"]
+    assert _rel(single["losses"], hsdp["losses"]) <= 1e-5
+
+
+@pytest.mark.slow    # HSDP vs 1 process by default: test_hsdp_2x1_matches_single_process (2 replicas x 1 shard)
 def test_hsdp_2x2_matches_single_process(single, tmp_path):
     out = tmp_path / "hsdp.json"
     run_torchrun(SCRIPT, 4, [out, "--steps", STEPS, "--meta", "--replicate", 2])
@@ -68,16 +93,12 @@ def test_hsdp_2x2_matches_single_process(single, tmp_path):
     assert _rel(single["losses"], hsdp["losses"]) <= 1e-5
 
 
-def test_recompute_gives_same_losses(two_procs, tmp_path):
-    out = tmp_path / "recompute.json"
-    run_torchrun(SCRIPT, 2, [out, "--steps", STEPS, "--meta", "--recompute"])
-    assert _rel(two_procs["losses"], json.loads(out.read_text())["losses"]) <= 1e-6
+def test_recompute_gives_same_losses(two_procs, two_process_runs):
+    assert _rel(two_procs["losses"], two_process_runs["recompute"]["losses"]) <= 1e-6
 
 
-def test_optimizer_built_before_prepare_trains(tmp_path):
-    out = tmp_path / "repeat.json"
-    run_torchrun(SCRIPT, 2, [out, "--steps", 8, "--repeat", "--lr", "1e-2"])
-    losses = json.loads(out.read_text())["losses"]
+def test_optimizer_built_before_prepare_trains(two_process_runs):
+    losses = two_process_runs["repeat"]["losses"]
     assert losses[-1] < losses[0] - 0.5, losses
 
 

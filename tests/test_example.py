@@ -6,7 +6,8 @@ Four 2-process launches serve every assertion (module-scoped fixtures):
               at 15 (same max_steps=30, so the same lr schedule); run 2: production mode,
               --checkpoint.restore_from=LATEST, to step 30, appending to the same JSONL;
   nan       - validate mode with a NaN planted at step 3 on rank 1 (tests/scripts/train_qwen_nan.py).
-Config errors run as plain `python` processes (no launcher, seconds); the 30B dry run is in test_precision.py.
+Config errors run in this process through the example's main() (one of them also as a plain `python`
+process, for the exit code); the 30B dry run is in test_precision.py.
 """
 import json
 import math
@@ -15,6 +16,7 @@ import os
 import pytest
 
 from dist_utils import REPO, run_accelerate, run_python
+from example_utils import load_example, run_main
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
 CPU2 = REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
@@ -107,23 +109,36 @@ def test_planted_nan_stops_validate_mode(tmp_path):
     assert [r["step"] for r in train] == [1, 2]
 
 
-@pytest.mark.parametrize("args, needle", [
+@pytest.fixture(scope="module")
+def example():
+    return load_example("train_qwen_test_example")
+
+
+def test_config_error_exits_2_in_one_line():
+    """The interpreter's view, once: `python examples/train_qwen.py` with a bad flag exits 2, one line."""
+    proc = run_python(SCRIPT, ["--training.max_stepz=3"], check=False, timeout=60)
+    assert proc.returncode == 2
+    assert "Unknown field 'training.max_stepz'" in proc.stderr and proc.stderr.count("config error") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args, needle", [      # main() in this process (example_utils.run_main)
     (["--training.max_stepz=3"], "Unknown field 'training.max_stepz'"),
     (["--training.max_steps=three"], "training.max_steps must be int"),
     (["--optimizer._target_=torch.optim.SGD"], "_target_ cannot be overridden"),
     (["--training.global_batch_size=10", "--training.micro_batch_size=4"], "is not divisible by micro_batch_size=4"),
 ])
-def test_config_errors(args, needle):
-    proc = run_python(SCRIPT, args, check=False, timeout=60)
-    assert proc.returncode == 2
-    assert needle in proc.stderr and proc.stderr.count("config error") == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_config_errors(example, capsys, args, needle):
+    code, _, err = run_main(example, args, capsys)
+    assert code == 2
+    assert needle in err and err.count("config error") == 1, err
+    assert "Traceback" not in err
 
 
-def test_indivisible_batch_for_the_world_size():
+def test_indivisible_batch_for_the_world_size(example, capsys, monkeypatch):
     # checked from WORLD_SIZE before any process group or model exists
-    proc = run_python(SCRIPT, ["--training.global_batch_size=6"], env={"WORLD_SIZE": "2"},
-                      check=False, timeout=60)
-    assert proc.returncode == 2
-    assert "dp_size=2" in proc.stderr and "2 data-parallel rank(s)" in proc.stderr, proc.stderr
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, _, err = run_main(example, ["--training.global_batch_size=6"], capsys)
+    assert code == 2
+    assert "dp_size=2" in err and "2 data-parallel rank(s)" in err, err
 

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from dist_utils import REPO, _env, free_port, run_accelerate, run_python
+from dist_utils import REPO, _env, free_port, run_accelerate
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
 NAN_SCRIPT = REPO / "tests" / "scripts" / "train_qwen_nan.py"
@@ -107,13 +107,19 @@ def test_model_overrides_checked_before_any_model(args, needle):
     assert needle in str(info.value)
 
 
-def test_config_error_is_one_line_and_debug_shows_the_traceback():
-    args = ["--model.overrides.num_attention_heads=3"]
-    proc = run_python(SCRIPT, args, check=False, timeout=120)
-    assert proc.returncode == 2
-    assert "num_attention_heads=3 is not a multiple" in _one_error_line(proc.stderr, "config error:")
-    debug = run_python(SCRIPT, args, env={"HYPERACC_DEBUG": "1"}, check=False, timeout=120)
-    assert debug.returncode != 0 and "Traceback" in debug.stderr and "num_attention_heads=3" in debug.stderr
+def test_config_error_is_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):
+    """The example's main() in this process (example_utils.run_main; the interpreter's exit code for a
+    config error: tests/test_example.py::test_config_error_exits_2_in_one_line): one line and exit 2;
+    with HYPERACC_DEBUG=1 the error itself escapes main, so the interpreter prints its traceback."""
+    from example_utils import run_main
+
+    example, args = _example(), ["--model.overrides.num_attention_heads=3"]
+    code, _, stderr = run_main(example, args, capsys)
+    assert code == 2
+    assert "num_attention_heads=3 is not a multiple" in _one_error_line(stderr, "config error:")
+    monkeypatch.setenv("HYPERACC_DEBUG", "1")
+    with pytest.raises(example.ConfigError, match="num_attention_heads=3"):
+        example.main(args)
 
 
 def test_data_failure_on_rank_0_is_every_ranks_one_line(tmp_path):

@@ -50,8 +50,10 @@ def test_a_silent_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global_step")) == ["global_step_2"]
 
 
+# Slow set: the watchdog and its one line naming the silent rank are proved by default in the loop
+# (test_a_silent_rank_ends_the_job_within_the_timeout_naming_it); the phases outside it here.
 @pytest.mark.parametrize("phase,line", [
-    ("data", "error: building the data (step 0): a collective timed out"),
+    pytest.param("data", "error: building the data (step 0): a collective timed out", marks=pytest.mark.slow),
     pytest.param("load_state", "error: load_state (step 0): a collective timed out", marks=pytest.mark.slow),
 ])
 def test_a_rank_silent_outside_the_loop_is_named_with_its_phase(tmp_path, phase, line):
@@ -134,7 +136,10 @@ PER_RANK = REPO / "tests" / "scripts" / "train_qwen_per_rank.py"
 
 @pytest.mark.parametrize("extra, message", [
     ("--training.global_batch_size=16", "training.global_batch_size is 8 on rank 0 but 16 on rank 1"),
-    ("--checkpoint.checkpoint_dir={other}", "checkpoint_dir is {ckpt} on rank 0 but {other} on host"),
+    # slow set: the same refusal at start on every rank (the case above, by default), from the checkpoint
+    # directory's lock; its message is checked in-process by test_a_checkpoint_dir_another_node_does_not_see_is_named
+    pytest.param("--checkpoint.checkpoint_dir={other}", "checkpoint_dir is {ckpt} on rank 0 but {other} on host",
+                 marks=pytest.mark.slow),
 ])
 def test_nodes_launched_differently_fail_at_start_on_every_rank(tmp_path, extra, message):
     ckpt, other = tmp_path / "ckpt", tmp_path / "other"

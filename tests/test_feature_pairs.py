@@ -16,8 +16,8 @@ processes (2 replicas x 2 shards); its references are the 2-process runs (same g
 losses do not depend on the world size, see PLATFORM_NOTES). LoRA with TP or EP is refused by design
 (hyperacc.integrations.peft.check_layout; the example says so in preflight).
 
-The full matrix (28 pairs, ~30 launches) is the slow set; the default run keeps two pairs no other default
-test covers (bf16_sr under TP and under EP, sharing one reference) and the two refusals (in-process).
+The full matrix (28 pairs, ~30 launches) is the slow set; the default run keeps a pair no other default test
+covers (bf16_sr under EP; under TP in the slow set) and the two refusals (in-process).
 """
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ COMMON = [f"--training.max_steps={STEPS}", "--training.global_batch_size=4", "--
           "--training.mode=validate", "--lr_scheduler.warmup_steps=0", "--optimizer.lr=0.003"]
 INVARIANT = ("compile", "ep", "tp", "hsdp", "packing")      # how a step is computed, not what
 REFUSED = {frozenset({"lora", "tp"}): "under tensor parallelism", frozenset({"lora", "ep"}): "under expert parallelism"}
-DEFAULT_PAIRS = {("ep", "bf16_sr"), ("tp", "bf16_sr")}
+# ep+bf16_sr: bf16_sr under a model-parallel layout agrees with its fp32 run; tp+bf16_sr (the same guarantee
+# on the other model-parallel layout, and a launch of its own) is in the slow set.
+DEFAULT_PAIRS = {("ep", "bf16_sr")}
 PAIRS = list(itertools.combinations(FEATURES, 2))
 
 

@@ -32,6 +32,7 @@ def _check(steps, per_step_collectives):
     assert any(s["reads"] for s in steps if s["logging"])   # the counter sees reads: the flush reads values
 
 
+@pytest.mark.slow     # the same counts on 1 process (no collective at all); by default: test_two_processes
 def test_one_process(tmp_path):
     run_python(SCRIPT, [tmp_path, *ARGS], timeout=400)
     _check(json.loads((tmp_path / "rank0.json").read_text()), per_step_collectives=0)

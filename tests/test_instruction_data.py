@@ -1,8 +1,9 @@
 """Chat data end to end: `hyperacc.data.chat_dataset` from local files, and examples/train_qwen.py with
 --data.format=chat on 2 real processes (accelerate launch, gloo, fp32, validate mode):
-  - packing never changes what a step trains on: per-step losses packed vs padded within 1e-5 for a
-    dense model (packed_sdpa vs sdpa, on Megatron chat files from the converter) and an MoE model (eager, sequence-wise
-    aux loss on, the embedded chat corpus); packed under TP 2 / EP 2 = padded under DP (slow set);
+  - packing never changes what a step trains on: per-step losses packed vs padded within 1e-5 for an MoE
+    model (eager, sequence-wise aux loss on, the embedded chat corpus) and, in the slow set, a dense model
+    (packed_sdpa vs sdpa, on Megatron chat files from the converter); packed under TP 2 / EP 2 = padded
+    under DP (slow set);
   - a chat run stopped after step 3 and resumed continues bitwise; resumed padded on ONE process it
     continues within 1e-5 (packing and the DP size are layout, not data);
   - bad input: one config error line naming the fix, before any process group.
@@ -115,6 +116,11 @@ def test_packed_rows_under_tp_and_ep(moe_runs, layout, tmp_path):
     assert max_rel([r["grad_norm"] for r in run], [r["grad_norm"] for r in runs["padded"]]) <= 1e-5
 
 
+# Slow set: the same guarantee as test_packed_and_padded_steps_agree_moe (packing never changes what a step trains
+# on, end to end through the example on 2 processes), on a dense model with Megatron chat files; by default
+# packed_sdpa == sdpa is proved in-process by tests/test_packing.py (forward and gradients, dense and MoE) and the
+# converter's chat files by tests/test_megatron_chat.py.
+@pytest.mark.slow
 def test_packed_and_padded_steps_agree_dense(dense_dir, tmp_path, hyperacc_cache):
     """On Megatron chat files (ids + loss mask, written by the converter) and a dense model: padded with sdpa,
     packed with packed_sdpa (attention on each conversation's slice: hyperacc.models.packed_attention)."""

@@ -31,16 +31,26 @@ def test_a_deviation_beyond_the_tolerance_fails(tmp_path):
     assert proc.returncode == 1 and "BEYOND the tolerance" in proc.stdout, proc.stdout[-2000:]
 
 
-def test_layouts_it_cannot_run_are_refused_before_anything_runs(tmp_path):
-    # the cheap checks run in-process (test_bad_layouts_...); the example's own checks refuse the rest
-    for layout, message in (("dp64", "needs 64 processes"),
-                            ("dp3", "layout 'dp3' cannot run: training.global_batch_size=8 is not divisible"),
-                            ("tp3", "layout 'tp3' cannot run: dry run for 3 ranks: tp_size=3 does not divide"),
-                            ("dp2-ep2 -- --training.no_such_flag=1", "no_such_flag")):
+def test_layouts_it_cannot_run_are_refused_before_anything_runs(tmp_path, capsys):
+    # the cheap checks run in-process (test_bad_layouts_...); the example's own checks refuse the rest. The
+    # first case runs the tool as a process (its exit code), the others its main() in this process (a
+    # process start-up costs ~3 s; main returns the exit code the tool's process exits with).
+    tool = load_tool()
+    for index, (layout, message) in enumerate((
+            ("dp64", "needs 64 processes"),
+            ("dp3", "layout 'dp3' cannot run: training.global_batch_size=8 is not divisible"),
+            ("tp3", "layout 'tp3' cannot run: dry run for 3 ranks: tp_size=3 does not divide"),
+            ("dp2-ep2 -- --training.no_such_flag=1", "no_such_flag"))):
         # dp1 first: had anything been launched before the check, its files would be in tmp_path
-        proc = run_python(TOOL, ["--steps", 2, "--out", tmp_path, "--layouts", "dp1", *layout.split()], timeout=60,
-                          check=False)
-        assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        argv = ["--steps", 2, "--out", tmp_path, "--layouts", "dp1", *layout.split()]
+        if index == 0:
+            proc = run_python(TOOL, argv, timeout=60, check=False)
+            code, stderr = proc.returncode, proc.stderr
+        else:
+            capsys.readouterr()
+            code = tool.main([str(arg) for arg in argv])
+            stderr = capsys.readouterr().err
+        assert code == 2 and message in stderr and stderr.count("\n") == 1, stderr
     assert not list(tmp_path.iterdir())
 
 

@@ -1,7 +1,9 @@
 """Issue 11: tensor and expert parallelism on the one mesh, composed with FSDP2 (real processes, gloo, fp32).
 
-One 1-process reference and three 4-process jobs (several layouts per job, each from the same seeded
-meta-device init on the same global batches, 2 micro-batches per DP rank and step).
+One 1-process reference and 4-process jobs (several layouts per job, each from the same seeded
+meta-device init on the same global batches, 2 micro-batches per DP rank and step): job A trains dp4,
+dp2tp2 and dp4ep2, saving at step 5, then resumes those checkpoints at other layouts in the same launch;
+job B (slow set) the other layouts of the issue.
 """
 import json
 
@@ -36,14 +38,17 @@ def reference(tmp_path_factory):
     return _run(tmp_path_factory, "ref", ["dp1"], nproc=1)["dp1"]
 
 
-@pytest.fixture(scope="module")
-def job_a(tmp_path_factory, ckpt):
-    return _run(tmp_path_factory, "a", ["dp4", "dp2tp2", "dp4ep2"], "--ckpt", ckpt, "--save-step", SAVE_STEP)
-
-
 # The default run covers each kind of layout once (the slow set: every layout of the issue).
 JOB_B = ["dp4ep4", "dp2tp2ep4", "rep2dp2ep2"] if SLOW else []   # 2-process tp/ep: tests/test_router_aux.py
 RESUMES = ["dp2tp2<dp4", "dp4ep2<dp4", "dp4ep4<dp4", "dp4<dp4ep2", "dp4<dp2tp2"] if SLOW else ["dp2tp2<dp4", "dp4<dp4ep2"]
+
+
+@pytest.fixture(scope="module")
+def job_a(tmp_path_factory, ckpt):
+    """dp4, dp2tp2 and dp4ep2, each saving its step-5 state; then, in the same launch (a 4-process start-up
+    costs more than 5 steps), the resumes of those checkpoints at other layouts."""
+    assert all(spec.split("<")[1] in ("dp4", "dp2tp2", "dp4ep2") for spec in RESUMES)
+    return _run(tmp_path_factory, "a", ["dp4", "dp2tp2", "dp4ep2", *RESUMES], "--ckpt", ckpt, "--save-step", SAVE_STEP)
 
 
 def _slow_unless(names, kept):
@@ -56,8 +61,8 @@ def job_b(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def job_resume(tmp_path_factory, ckpt, job_a):
-    return _run(tmp_path_factory, "resume", RESUMES, "--ckpt", ckpt)
+def job_resume(job_a):
+    return {spec: job_a[spec] for spec in RESUMES}
 
 
 @pytest.mark.parametrize("layout", ["dp4", "dp2tp2", "dp4ep2"])
@@ -106,7 +111,7 @@ def test_each_rank_holds_its_share_of_expert_bytes(job_a, job_b):
 
 def test_aux_loss_present_in_every_layout(reference, job_a, job_b):
     assert all(a > 0 for a in reference["aux_losses"])
-    for run in [*job_a.values(), *job_b.values()]:
+    for run in [*job_a.values(), *job_b.values()]:        # the resumed layouts too
         # each rank logs its own micro-batches' aux losses: positive, of the reference's order
         assert all(a > 0 for a in run["aux_losses"]), run["layout"]
 
@@ -289,8 +294,21 @@ def per_rank_case_lines(tmp_path, nproc, cases):
     return lines
 
 
-def test_bad_parallel_inputs_one_line_on_every_rank(tmp_path):
-    lines = per_rank_case_lines(tmp_path, 2, ["ep_ranks", "ep_experts", "tp_heads", "dense_ep"])
+# Every 2-process bad-input case of this file and of tests/test_context_parallel.py, in one launch per session
+# (a launch costs more than the cases): whichever file runs first launches it.
+ERROR_CASES = ["ep_ranks", "ep_experts", "tp_heads", "dense_ep", "cp_seq", "cp_heads", "cp_unwrappable"]
+_ERROR_LINES: dict = {}
+
+
+def parallel_error_lines(tmp_path_factory):
+    """{rank: {case: its one error line}} for ERROR_CASES (per_rank_case_lines, launched once)."""
+    if not _ERROR_LINES:
+        _ERROR_LINES.update(per_rank_case_lines(tmp_path_factory.mktemp("parallel_errors"), 2, ERROR_CASES))
+    return _ERROR_LINES
+
+
+def test_bad_parallel_inputs_one_line_on_every_rank(tmp_path_factory):
+    lines = parallel_error_lines(tmp_path_factory)
     assert lines[0] == lines[1]                 # rank 1 says the same, no rank hung in a collective
     expected = {"ep_ranks": "ep_size=3 does not divide dp_shard*cp*tp = 2*1*1",
                 "ep_experts": "ep_size=2 does not divide the 3 experts",

@@ -13,6 +13,7 @@ Launches (tests/scripts/peft_run.py), module-scoped and shared by the tests:
                    save_consolidated='every'), every export; in the same launch as the checks
   B       1 proc   the same as A (no checkpoint, no export)
   K / R   2 procs  A until step 5, SIGKILLed after its save / resumed from LATEST to step 10
+                   (R: in A's launch, after A; K before it)
 slow: C (K's checkpoint resumed on 1 process), the meta-device path on 1 and 2 processes, a bf16
 pretrained base under bf16 compute (merged export vs PEFT's merge), a refused tp_size=2 launch end to end.
 """
@@ -93,11 +94,14 @@ def _train_args(out, base, *more):
 
 
 @pytest.fixture(scope="module")
-def run_a(tmp, base_dir):
-    """One launch: the checks (their own Accelerators), then run A (start-up is most of a launch)."""
+def run_a(tmp, base_dir, killed):
+    """One launch (start-up is most of a launch): the checks (their own Accelerators), then run A, then
+    run R (--then): K's checkpoint resumed from LATEST to step 10."""
     (tmp / "checks").mkdir()
-    _launch(2, _train_args(tmp / "a.json", base_dir, "--ckpt", tmp / "ck_a", "--save-steps", SAVE_AT,
-                           "--export", tmp / "exports", "--consolidated", "--checks", "--tmp", tmp / "checks"))
+    _launch(2, [*_train_args(tmp / "a.json", base_dir, "--ckpt", tmp / "ck_a", "--save-steps", SAVE_AT,
+                             "--export", tmp / "exports", "--consolidated", "--checks", "--tmp", tmp / "checks"),
+                "--then", *_train_args(tmp / "r.json", base_dir, "--ckpt", tmp / "ck_k", "--save-steps", SAVE_AT,
+                                       "--restore", "LATEST")])
     return _record(tmp / "a.json"), torch.load(tmp / "a.json.pt")
 
 
@@ -120,9 +124,8 @@ def killed(tmp, base_dir):
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp, base_dir, killed):
-    _launch(2, _train_args(tmp / "r.json", base_dir, "--ckpt", tmp / "ck_k", "--save-steps", SAVE_AT,
-                           "--restore", "LATEST"))
+def resumed(tmp, run_a):
+    """R: made in run A's launch."""
     return _record(tmp / "r.json"), torch.load(tmp / "r.json.pt")
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dist_utils import REPO, run_python, run_torchrun
+from example_utils import load_example, run_main
 from hyperacc import FSDPConfig
 from hyperacc.precision import adamw as optim
 from hyperacc.precision import rounding
@@ -147,11 +148,20 @@ def test_fp16_without_a_scaler_is_refused_by_the_accelerator():
     assert out.returncode != 0 and "mixed_precision='fp16' without a loss scaler" in out.stderr, out.stderr[-2000:]
 
 
+# The example's dry run and its refusals stop before any process group exists: they run through the
+# example's main() in this process (example_utils.run_main; a process start-up costs ~3 s each). The
+# interpreter's exit code is checked by the plain-python run of test_the_rfc_config_offline_says_so_in_one_line.
+@pytest.fixture(scope="module")
+def example():
+    return load_example("train_qwen_test_precision")
+
+
 @pytest.mark.parametrize("ep", [1, 8])
-def test_30b_rfc_config_fits_64gb_without_offload(tmp_path, ep):
+def test_30b_rfc_config_fits_64gb_without_offload(example, capsys, tmp_path, ep):
     report = tmp_path / "plan.json"
-    proc = run_python(SCRIPT, [CONFIG_30B, "--training.dry_run=true", f"--parallel.ep_size={ep}",
-                               f"--training.dry_run_report={report}"], timeout=300)
+    code, stdout, stderr = run_main(example, [CONFIG_30B, "--training.dry_run=true", f"--parallel.ep_size={ep}",
+                                              f"--training.dry_run_report={report}"], capsys)
+    assert code == 0, stderr[-2000:]
     plan = json.loads(report.read_text())
     assert plan["world_size"] == 8 and plan["cpu_offload"] is False and plan["precision"] == "bf16"
     assert 30.4e9 < plan["total_params"] < 30.7e9                     # the real architecture
@@ -160,33 +170,33 @@ def test_30b_rfc_config_fits_64gb_without_offload(tmp_path, ep):
     per = plan["per_rank_bytes"]
     params = plan["params_per_rank"]
     assert per["params"] == per["grads"] == 2 * params and per["optimizer states"] == 8 * params
-    assert "device peak" in proc.stdout and "precision=bf16" in proc.stdout
+    assert "device peak" in stdout and "precision=bf16" in stdout
 
 
-def test_the_plan_follows_the_recipe(tmp_path):
+def test_the_plan_follows_the_recipe(example, capsys, tmp_path):
     """fp32 master weights do not fit 64 GB at seq 1024 (the reason for the bf16 default): the dry
     run says so in one line, exit 2, and the JSON it wrote says fits=false."""
     report = tmp_path / "plan.json"
-    proc = run_python(SCRIPT, [CONFIG_30B, "--training.dry_run=true", "--fsdp.precision=fp32_master",
-                               f"--training.dry_run_report={report}"], check=False, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    error = [line for line in proc.stderr.splitlines() if line.startswith("config error")]
+    code, _, stderr = run_main(example, [CONFIG_30B, "--training.dry_run=true", "--fsdp.precision=fp32_master",
+                                         f"--training.dry_run_report={report}"], capsys)
+    assert code == 2, stderr[-2000:]
+    error = [line for line in stderr.splitlines() if line.startswith("config error")]
     assert len(error) == 1 and "training.device_memory_gb=64" in error[0] and "--fsdp.precision=bf16" in error[0]
     plan = json.loads(report.read_text())
     assert plan["fits"] is False and plan["per_rank_bytes"]["optimizer states"] == 8 * plan["params_per_rank"]
 
 
-def test_a_training_run_that_does_not_fit_stops_before_anything_is_built(tmp_path):
-    proc = run_python(SCRIPT, ["--training.device_memory_gb=0.001", f"--checkpoint.checkpoint_dir={tmp_path / 'ck'}",
-                               "--checkpoint.save_ckpt=true"], check=False, timeout=120)
-    assert proc.returncode == 2 and "training.device_memory_gb=0.001" in proc.stderr, proc.stderr[-2000:]
+def test_a_training_run_that_does_not_fit_stops_before_anything_is_built(example, capsys, tmp_path):
+    code, _, stderr = run_main(example, ["--training.device_memory_gb=0.001", f"--checkpoint.checkpoint_dir={tmp_path / 'ck'}",
+                                         "--checkpoint.save_ckpt=true"], capsys)
+    assert code == 2 and "training.device_memory_gb=0.001" in stderr, stderr[-2000:]
     assert not (tmp_path / "ck").exists()
 
 
-def test_model_dtype_must_agree_with_the_recipe():
-    proc = run_python(SCRIPT, ["--model.dtype=bfloat16", "--training.dry_run=true"], check=False, timeout=120)
-    assert proc.returncode == 2
-    assert "model.dtype=bfloat16 contradicts fsdp.precision=fp32_master" in proc.stderr, proc.stderr[-2000:]
+def test_model_dtype_must_agree_with_the_recipe(example, capsys):
+    code, _, stderr = run_main(example, ["--model.dtype=bfloat16", "--training.dry_run=true"], capsys)
+    assert code == 2
+    assert "model.dtype=bfloat16 contradicts fsdp.precision=fp32_master" in stderr, stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- 2 real FSDP2 processes
@@ -195,9 +205,16 @@ PRECISION_RUN = REPO / "tests" / "scripts" / "precision_run.py"
 
 @pytest.fixture(scope="module")
 def bf16_sr_run(tmp_path_factory):
+    """One launch (precision_run.py --then, a start-up costs more than these runs): run a saves steps 2 and 4
+    and exports; b resumes its step 2 under the same recipe; c its step 4 under fp32_master."""
     out = tmp_path_factory.mktemp("precision")
-    run_torchrun(PRECISION_RUN, 2, [out / "a.json", "--precision", "bf16_sr", "--ckpt", out / "ck", "--steps", 4,
-                                    "--save-steps", 2, "--export", out / "hf"])
+    run_torchrun(PRECISION_RUN, 2, [
+        out / "a.json", "--precision", "bf16_sr", "--ckpt", out / "ck", "--steps", 4, "--save-steps", 2,
+        "--export", out / "hf",
+        "--then", out / "b.json", "--precision", "bf16_sr", "--ckpt", out / "ck_b", "--steps", 4,
+        "--restore", out / "ck" / "global_step_2",
+        "--then", out / "c.json", "--precision", "fp32_master", "--ckpt", out / "ck_c", "--steps", 5,
+        "--restore", out / "ck" / "global_step_4"])
     return out, json.loads((out / "a.json").read_text())
 
 
@@ -211,8 +228,6 @@ def test_bf16_sr_trains_sharded_bf16_with_bf16_states(bf16_sr_run):
 
 def test_bf16_sr_resumes_bitwise(bf16_sr_run):
     out, run = bf16_sr_run
-    run_torchrun(PRECISION_RUN, 2, [out / "b.json", "--precision", "bf16_sr", "--ckpt", out / "ck_b", "--steps", 4,
-                                    "--restore", out / "ck" / "global_step_2"])
     resumed = json.loads((out / "b.json").read_text())
     assert resumed["start"] == 2 and not resumed["warnings"]
     assert {s: resumed["steps"][s] for s in ("3", "4")} == {s: run["steps"][s] for s in ("3", "4")}
@@ -220,8 +235,6 @@ def test_bf16_sr_resumes_bitwise(bf16_sr_run):
 
 def test_a_resume_under_another_recipe_casts_with_a_warning(bf16_sr_run):
     out, _ = bf16_sr_run
-    run_torchrun(PRECISION_RUN, 2, [out / "c.json", "--precision", "fp32_master", "--ckpt", out / "ck_c",
-                                    "--steps", 5, "--restore", out / "ck" / "global_step_4"])
     converted = json.loads((out / "c.json").read_text())
     assert any("saved under precision='bf16_sr' and this run uses 'fp32_master'" in w for w in converted["warnings"])
     assert converted["param_dtypes"] == converted["state_dtypes"] == ["float32"] and converted["start"] == 4
@@ -251,24 +264,31 @@ def test_the_rfc_config_offline_says_so_in_one_line():
 MIXED_OUTPUTS = REPO / "tests" / "scripts" / "mixed_precision_outputs.py"
 
 
-def _forward(tmp_path, *args):
-    out = tmp_path / f"forward{len(list(tmp_path.glob('forward*')))}.json"
-    run_python(MIXED_OUTPUTS, [out, *args], timeout=180)
-    return json.loads(out.read_text())
+def _forward(tmp_path, *runs):
+    """Each run's record; the runs share one process (mixed_precision_outputs.py --then)."""
+    outs, argv = [], []
+    for args in runs:
+        outs.append(tmp_path / f"forward{len(list(tmp_path.glob('forward*'))) + len(outs)}.json")
+        argv += [*(["--then"] if argv else []), outs[-1], *args]
+    run_python(MIXED_OUTPUTS, argv, timeout=180)
+    return [json.loads(out.read_text()) for out in outs]
 
 
 def test_mixed_precision_bf16_returns_fp32_outputs_and_matches_accelerates_loss(tmp_path):
     """accelerate wraps a mixed-precision forward in convert_outputs_to_fp32; hyperacc casts the root
     unit's outputs (FSDP2 output_dtype): fp32 logits and loss, bf16 between the blocks. A bf16
-    recipe without mixed_precision is a storage choice: its outputs stay bf16."""
-    ours = _forward(tmp_path, "--engine", "hyperacc")                       # Accelerator(mixed_precision="bf16")
-    theirs = _forward(tmp_path, "--engine", "accelerate")                   # accelerate.Accelerator, same weights
-    via_config = _forward(tmp_path, "--engine", "hyperacc", "--precision", "bf16")   # FSDPConfig(mixed_precision=)
+    recipe without mixed_precision is a storage choice: its outputs stay bf16. accelerate's process
+    state (AcceleratorState) is process-wide and keeps its mixed_precision: accelerate's run has a
+    process of its own, hyperacc's two bf16 runs share one, the run without mixed precision another."""
+    (theirs,) = _forward(tmp_path, ["--engine", "accelerate"])             # accelerate.Accelerator, same weights
+    ours, via_config = _forward(
+        tmp_path, ["--engine", "hyperacc"],                                 # Accelerator(mixed_precision="bf16")
+        ["--engine", "hyperacc", "--precision", "bf16"])                    # FSDPConfig(mixed_precision=)
+    (recipe_only,) = _forward(tmp_path, ["--engine", "hyperacc", "--precision", "bf16", "--mixed-precision", "no"])
     for run in (ours, theirs, via_config):
         assert run["logits_dtype"] == run["loss_dtype"] == "torch.float32", run
     assert ours["block_output_dtype"] == via_config["block_output_dtype"] == "torch.bfloat16"
     assert ours["param_dtype"] == "torch.float32" and via_config["param_dtype"] == "torch.bfloat16"
     assert ours["loss"] == pytest.approx(theirs["loss"], rel=2 ** -8, abs=0)     # within one bf16 step
     assert ours["grads"] == theirs["grads"] > 0
-    recipe_only = _forward(tmp_path, "--engine", "hyperacc", "--precision", "bf16", "--mixed-precision", "no")
     assert recipe_only["logits_dtype"] == "torch.bfloat16" and recipe_only["loss_dtype"] == "torch.float32"

@@ -1,7 +1,8 @@
 """Copies that must agree do agree: HSDP replicas under every precision recipe, bf16 rounding that does
 not depend on the layout, and the ReplicaGuard that catches copies drifting apart.
 
-Real FSDP2 processes (torchrun, gloo) running tests/scripts/precision_run.py on a tiny Qwen3-MoE.
+Real FSDP2 processes (torchrun, gloo) running tests/scripts/precision_run.py on a tiny Qwen3-MoE; the
+default 2-process runs share one launch, the 1-process ones another (precision_run.py --then).
 """
 import json
 
@@ -13,14 +14,37 @@ from dist_utils import REPO, max_rel, run_python, run_torchrun
 RUN = REPO / "tests" / "scripts" / "precision_run.py"
 
 
-def _run(tmp, name, nproc, *args):
-    out = tmp / f"{name}.json"
-    argv = [out, "--ckpt", tmp / f"ckpt_{name}", *map(str, args)]
+def _runs(tmp, nproc, runs):
+    """{name: args} run in one launch of ``nproc`` processes (precision_run.py --then): {name: record}."""
+    argv = []
+    for name, args in runs.items():
+        argv += [*(["--then"] if argv else []), tmp / f"{name}.json", "--ckpt", tmp / f"ckpt_{name}", *map(str, args)]
     if nproc == 1:
         run_python(RUN, argv, timeout=400)
     else:
         run_torchrun(RUN, nproc, argv, timeout=400)
-    return json.loads(out.read_text())
+    return {name: json.loads((tmp / f"{name}.json").read_text()) for name in runs}
+
+
+def _run(tmp, name, nproc, *args):
+    return _runs(tmp, nproc, {name: args})[name]
+
+
+# The default 2-process runs of this file share one launch (a start-up costs more than a run):
+HSDP_ARGS = ["--replicate", 2, "--steps", 20]                    # + --precision, --dump
+GUARD_ARGS = ["--precision", "bf16", "--steps", 12, "--guard-every", 2, "--perturb", 3]   # + the layout
+WORLD_ARGS = ["--precision", "bf16_sr", "--steps", 16]
+
+
+@pytest.fixture(scope="module")
+def two_process_job(tmp_path_factory):
+    """bf16_sr HSDP replicas (dumped), the bf16_sr run that saves at step 8, and the guard on HSDP replicas."""
+    tmp = tmp_path_factory.mktemp("two_process_job")
+    (tmp / "dump").mkdir()
+    records = _runs(tmp, 2, {"hsdp": ["--precision", "bf16_sr", *HSDP_ARGS, "--dump", tmp / "dump"],
+                             "two": [*WORLD_ARGS, "--save-steps", 8],
+                             "guard": [*GUARD_ARGS, "--replicate", 2]})
+    return tmp, records
 
 
 def _series(record, key="loss"):
@@ -47,23 +71,28 @@ def _differing(dump, world, replicate):
     pytest.param("bf16", 4, marks=pytest.mark.slow),
     pytest.param("fp32_master", 4, marks=pytest.mark.slow),
 ])
-def test_hsdp_replicas_stay_bitwise_identical(tmp_path, precision, world):
+def test_hsdp_replicas_stay_bitwise_identical(request, tmp_path, precision, world):
     # dp_replicate 2 x dp_shard 1 (2 processes) or 2 x 2 (4): stochastic rounding used to be seeded
     # by the mesh coordinate, replicate index included, so every bf16 parameter differed after 5 steps.
-    dump = tmp_path / "dump"
-    dump.mkdir()
-    record = _run(tmp_path, "hsdp", world, "--precision", precision, "--replicate", 2, "--steps", 20, "--dump", dump)
+    if (precision, world) == ("bf16_sr", 2):
+        tmp, records = request.getfixturevalue("two_process_job")
+        dump, record = tmp / "dump", records["hsdp"]
+    else:
+        dump = tmp_path / "dump"
+        dump.mkdir()
+        record = _run(tmp_path, "hsdp", world, "--precision", precision, *HSDP_ARGS, "--dump", dump)
     assert len(record["steps"]) == 20
     assert _differing(dump, world, 2) == []
 
 
-def test_bf16_sr_does_not_depend_on_the_world_size_and_resumes_across_it(tmp_path):
-    one = _run(tmp_path, "one", 1, "--precision", "bf16_sr", "--steps", 16)
-    two = _run(tmp_path, "two", 2, "--precision", "bf16_sr", "--steps", 16, "--save-steps", 8)
+def test_bf16_sr_does_not_depend_on_the_world_size_and_resumes_across_it(two_process_job, tmp_path):
+    saved, records = two_process_job
+    two = records["two"]
+    # one process: the same run, then the resume of the 2-process run's step 8, in one job
+    ones = _runs(tmp_path, 1, {"one": WORLD_ARGS, "resumed": [*WORLD_ARGS, "--restore", saved / "ckpt_two" / "global_step_8"]})
+    one, resumed = ones["one"], ones["resumed"]
     assert max_rel(_series(two), _series(one)) <= 1e-5          # was 1.8e-4: rounding keyed by shard
     assert max_rel(_series(two, "grad_norm"), _series(one, "grad_norm")) <= 1e-5
-    resumed = _run(tmp_path, "resumed", 1, "--precision", "bf16_sr", "--steps", 16,
-                   "--restore", tmp_path / "ckpt_two" / "global_step_8")
     assert resumed["start"] == 8
     tail = {k: v for k, v in two["steps"].items() if int(k) > 8}
     assert max_rel(_series(resumed), _series({"steps": tail})) <= 1e-5
@@ -75,11 +104,13 @@ def test_bf16_sr_does_not_depend_on_the_world_size_and_resumes_across_it(tmp_pat
     pytest.param(["--tp", 2, "--perturb-param", "model.layers.1.self_attn.k_norm.weight"],   # a norm every
                  marks=pytest.mark.slow),                                     # TP rank keeps whole
 ])
-def test_the_guard_passes_agreeing_copies_and_finds_a_one_ulp_mismatch_at_its_next_check(tmp_path, layout):
+def test_the_guard_passes_agreeing_copies_and_finds_a_one_ulp_mismatch_at_its_next_check(request, tmp_path, layout):
     # checks every 2 steps: step 2 passes (the copies agree); rank 1's copy of one parameter then
     # moves by one ulp after step 3, and the check of step 4 names it
-    record = _run(tmp_path, "guard", 2, "--precision", "bf16", "--steps", 12, "--guard-every", 2, "--perturb", 3,
-                  *layout)
+    if layout == ["--replicate", 2]:
+        record = request.getfixturevalue("two_process_job")[1]["guard"]
+    else:
+        record = _run(tmp_path, "guard", 2, *GUARD_ARGS, *layout)
     assert record["mismatch"]["step"] == 4 and sorted(record["steps"], key=int) == ["1", "2", "3", "4"], record
     error = record["mismatch"]["error"]
     assert "differs between ranks 0 and 1" in error and "hold the same slice of it" in error and "\n" not in error

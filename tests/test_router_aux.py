@@ -6,7 +6,7 @@ import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 import hyperacc
-from dist_utils import REPO, max_rel, run_layouts, run_python
+from dist_utils import max_rel, run_layouts
 from hyperacc.data.collate import pad_collate
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 
@@ -62,10 +62,12 @@ def test_bad_modes_are_one_clear_error():
     assert check_mode(moe, None) == "sequence" and check_mode(moe, "micro_batch") == "micro_batch"
 
 
-def test_example_refuses_aux_modes_it_cannot_apply():
-    script = REPO / "examples" / "train_qwen.py"
-    proc = run_python(script, ["--model.router_aux_loss=global", "--training.dry_run=true"], check=False, timeout=60)
-    assert proc.returncode == 2 and "model.router_aux_loss" in proc.stderr, proc.stderr[-1500:]
+def test_example_refuses_aux_modes_it_cannot_apply(capsys):
+    from example_utils import load_example, run_main     # the example's main() in this process
+
+    code, _, stderr = run_main(load_example("train_qwen_router_aux"), ["--model.router_aux_loss=global",
+                                                                       "--training.dry_run=true"], capsys)
+    assert code == 2 and "model.router_aux_loss" in stderr, stderr[-1500:]
 
 
 # ----------------------------------------------------------------------------- layouts (real processes)

@@ -63,19 +63,26 @@ def test_load_one_process_tied_and_untied(models, tmp_path):
     assert "model.safetensors.index.json" in moe["export_files"]
 
 
-def test_load_two_processes_expert_parallel(models, tmp_path):
-    run_torchrun(CHECK, 2, ["--model", models / "moe", "--out", tmp_path / "r.json", "--export", tmp_path / "exp",
-                            "--ep", 2], timeout=300)
-    (moe,) = _checked(tmp_path / "r.json", 1)
+@pytest.fixture(scope="module")
+def two_processes(models, tmp_path_factory):
+    """One 2-process launch (weights_check.py --then, a start-up costs more than a load): expert parallel
+    (ep 2), then tensor parallel (tp 2), each with its own Accelerator."""
+    tmp = tmp_path_factory.mktemp("two_processes")
+    run_torchrun(CHECK, 2, ["--model", models / "moe", "--out", tmp / "ep.json", "--export", tmp / "ep", "--ep", 2,
+                            "--then", "--model", models / "dense", models / "moe", "--out", tmp / "tp.json",
+                            "--export", tmp / "tp", "--tp", 2], timeout=300)
+    return tmp
+
+
+def test_load_two_processes_expert_parallel(two_processes):
+    (moe,) = _checked(two_processes / "ep.json", 1)
     assert "model.safetensors.index.json" in moe["export_files"]
 
 
-def test_load_two_processes_tensor_parallel_tied_and_untied(models, tmp_path):
+def test_load_two_processes_tensor_parallel_tied_and_untied(two_processes):
     # tp 2: the tied dense model's lm_head shares the vocab-split embedding (sharded once, re-tied)
-    run_torchrun(CHECK, 2, ["--model", models / "dense", models / "moe", "--out", tmp_path / "r.json",
-                            "--export", tmp_path / "exp", "--tp", 2], timeout=300)
-    dense, _ = _checked(tmp_path / "r.json", 2)
-    assert "lm_head.weight" not in _read(tmp_path / "exp" / "0")      # still tied in the export
+    dense, _ = _checked(two_processes / "tp.json", 2)
+    assert "lm_head.weight" not in _read(two_processes / "tp" / "0")      # still tied in the export
 
 
 @pytest.mark.slow          # 1 and 2 processes run by default; the same loader at 4 in the slow set

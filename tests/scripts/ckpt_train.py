@@ -6,6 +6,7 @@ step, the saves made) and, with --dump-params, the final full parameters (rank 0
 .metadata not yet), i.e. a crash in the middle of a save.
 --tp N: dp_shard x tp N layout (tensor parallelism, meta-device init). --hold-after K: after step K
 every rank writes OUT.pid<R> and sleeps, for the test to SIGKILL the whole job.
+Several runs in one job: ``OUT ARGS --then OUT2 ARGS ...`` (run_sequence.py).
 """
 import argparse
 import json
@@ -19,6 +20,7 @@ import torch
 
 import hyperacc
 from hyperacc.models import build_causal_lm, qwen3_moe_config
+from run_sequence import run_all
 
 SEQ, VOCAB = 16, 512
 
@@ -35,7 +37,7 @@ class Tokens:
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def main():
+def parse_args(argv):
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--ckpt", required=True)
@@ -51,8 +53,14 @@ def main():
     p.add_argument("--dump-params", default=None)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--hold-after", type=int, default=0)
-    args = p.parse_args()
+    return p.parse_args(argv)
 
+
+def main():
+    run_all(run, parse_args)          # one run, or several separated by --then (run_sequence.py)
+
+
+def run(args):
     if args.kill_during_save:
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
         original_finish = FileSystemWriter.finish

@@ -5,7 +5,10 @@ itself (one process, CPU); writes the output dtypes and the loss as JSON.
         [--precision RECIPE]
 
 Why two processes: accelerate's state objects are process-wide, so each engine gets its own.
-The weights and the batch depend on fixed seeds only, so both engines see the same model.
+The weights and the batch depend on fixed seeds only, so both engines see the same model. Several
+hyperacc runs with the same --mixed-precision share one process (``OUT.json --engine hyperacc --then
+OUT2.json --engine hyperacc ...``, run_sequence.py; the process state keeps its mixed precision): each
+builds its own Accelerator and model.
 """
 import argparse
 import json
@@ -14,6 +17,7 @@ import torch
 from transformers import Qwen3Config
 
 from hyperacc.models import build_causal_lm
+from run_sequence import run_all
 
 
 def tiny_qwen3():
@@ -22,13 +26,20 @@ def tiny_qwen3():
     return build_causal_lm(config, seed=4)
 
 
-def main():
+def parse_args(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--engine", choices=["hyperacc", "accelerate"], required=True)
     parser.add_argument("--mixed-precision", default="bf16")
     parser.add_argument("--precision", default=None, help="hyperacc's recipe (FSDPConfig.precision)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    run_all(forward, parse_args)
+
+
+def forward(args):
     model = tiny_qwen3()
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     if args.engine == "hyperacc":

@@ -6,6 +6,7 @@
         [--mixed-precision bf16] [--tp 1] [--ep 1]
     peft_run.py checks --tmp DIR
     peft_run.py train OUT ... --checks --tmp DIR     (the checks, then the training, in one launch)
+    peft_run.py train OUT ... --then train OUT2 ...   (several runs in one launch: run_sequence.py)
 
 train: a tiny Qwen3 (dense) or Qwen3-MoE base, on the meta device (`--base meta`, initialised from
 the Accelerator's seed) or read from a save_pretrained directory (`--base DIR`,
@@ -42,6 +43,7 @@ import hyperacc
 from hyperacc.integrations.peft import export_adapter, export_merged
 from hyperacc.models import build_causal_lm, load_pretrained, qwen3_moe_config
 from hyperacc.precision.adamw import AdamW
+from run_sequence import run_all
 
 SEQ = 16
 GLOBAL_BATCH = 4
@@ -391,7 +393,7 @@ def checks(args, finish=True):
             json.dump(record, handle)
 
 
-def main():
+def parse_args(argv):
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["train", "checks"])
     p.add_argument("out", nargs="?")
@@ -417,11 +419,18 @@ def main():
     p.add_argument("--mixed-precision", default=None, help="FSDPConfig.mixed_precision (e.g. bf16)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def run(args):
     if args.mode == "checks" or args.checks:
         checks(args, finish=args.mode == "checks")
     if args.mode == "train":
         train(args)
+
+
+def main():
+    run_all(run, parse_args)      # one run, or several separated by --then (run_sequence.py)
 
 
 if __name__ == "__main__":

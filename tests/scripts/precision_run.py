@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=2 precision_run.py OUT.json --precision bf16_sr --ckpt DIR --steps 4
         [--save-steps 2] [--restore PATH] [--export DIR] [--replicate 2] [--guard-every N]
-        [--perturb STEP] [--dump DIR]
+        [--perturb STEP] [--dump DIR] [--then OUT2.json ...]   (several runs in one job: run_sequence.py)
 Rank 0 writes OUT.json: per-step loss and grad norm, the dtypes of parameters, gradients and AdamW
 states as they are during training, and the warnings raised by load_state.
 """
@@ -15,6 +15,7 @@ import torch
 import hyperacc
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 from hyperacc.precision.adamw import AdamW
+from run_sequence import run_all
 
 SEQ, VOCAB = 16, 512
 
@@ -45,7 +46,7 @@ def perturb_one_ulp(model, name=None):
             return
 
 
-def main():
+def parse_args(argv):
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--precision", required=True)
@@ -64,8 +65,14 @@ def main():
     p.add_argument("--perturb-param", default=None, help="the parameter --perturb moves (default: the first "
                    "one replicated over a mesh dimension)")
     p.add_argument("--dump", default=None, help="write each rank's local parameter shards to DIR/rank<R>.pt")
-    args = p.parse_args()
+    return p.parse_args(argv)
 
+
+def main():
+    run_all(run, parse_args)         # one run, or several separated by --then (run_sequence.py)
+
+
+def run(args):
     acc = hyperacc.Accelerator(
         fsdp=hyperacc.FSDPConfig(precision=args.precision),
         parallel=hyperacc.ParallelConfig(ep_size=args.ep, dp_replicate_size=args.replicate, tp_size=args.tp),

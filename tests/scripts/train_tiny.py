@@ -5,6 +5,8 @@ MicroBatchDataLoader (global order independent of the world size) and `accumulat
 Usage: train_tiny.py OUT.json [--steps N] [--gbs G] [--mbs M] [--recompute] [--replicate R]
        [--pad] [--meta] [--repeat] [--reduce-every] [--lr 1e-3] [--clip 1.0]
        [--grads GRADS.pt]   (the full gradients of step 1, before the optimizer step)
+       Several runs in one job: ``train_tiny.py A.json --meta --then B.json --meta --recompute``
+       (tests/scripts/run_sequence.py).
 """
 import argparse
 import json
@@ -14,6 +16,7 @@ import torch
 import hyperacc
 from hyperacc.data.collate import pad_collate
 from hyperacc.models import build_causal_lm, qwen3_moe_config
+from run_sequence import run_all
 
 SEQ, VOCAB, DATASET_SIZE = 32, 512, 160
 
@@ -36,7 +39,7 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=10)
@@ -51,7 +54,7 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--grads")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def checksum(model) -> float:
@@ -59,7 +62,10 @@ def checksum(model) -> float:
 
 
 def main():
-    args = parse_args()
+    run_all(train, parse_args)       # one run, or several separated by --then (run_sequence.py)
+
+
+def train(args):
     acc = hyperacc.Accelerator(
         parallel=hyperacc.ParallelConfig(dp_replicate_size=args.replicate),
         fsdp=hyperacc.FSDPConfig(activation_checkpointing=args.recompute,

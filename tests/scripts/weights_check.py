@@ -4,7 +4,8 @@ For each ``--model`` every rank loads it with `load_pretrained(accelerator=)` + 
 full weights are gathered and compared bitwise with `from_pretrained` on rank 0, the first-step
 loss on a fixed batch is compared with the single-process `from_pretrained` model's, and (before
 the step) `save_model` exports it and rank 0 reloads the export with `from_pretrained`. Rank 0
-writes the verdicts to ``--out`` (JSON, one object per model).
+writes the verdicts to ``--out`` (JSON, one object per model). Several layouts in one launch:
+``--model A --out R1 --export E1 --ep 2 --then --model B --out R2 --export E2 --tp 2`` (run_sequence.py).
 """
 import argparse
 import json
@@ -15,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import hyperacc
 from hyperacc.models import load_pretrained
+from run_sequence import run_all
 
 
 def check(acc, path, export):
@@ -50,14 +52,21 @@ def check(acc, path, export):
     return result
 
 
-def main():
+def parse_args(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", nargs="+", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--export", required=True, help="a directory; export i goes to <export>/<i>")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    run_all(run, parse_args)      # one run, or several separated by --then (run_sequence.py)
+
+
+def run(args):
     # the reference is transformers' own model: its own (per-forward) MoE load-balancing loss
     acc = hyperacc.Accelerator(parallel=hyperacc.ParallelConfig(tp_size=args.tp, ep_size=args.ep),
                                router_aux_loss="micro_batch")
