@@ -243,7 +243,7 @@ def error_classes() -> list:
     source = inspect.getsource(errors)
     found, module = [], None
     for line in source.splitlines():
-        comment = re.match(r"# -{5,} (hyperacc[\w.]*)", line)
+        comment = re.match(r"# -{5,} (?:raised by )?(hyperacc[\w.]*)", line)
         if comment:
             module = comment.group(1)
         klass = re.match(r"class (\w+)\(", line)
