@@ -127,6 +127,20 @@ def run_python(script, args=(), env=None, timeout: int = 600, check: bool = True
     return _run([sys.executable, str(script), *map(str, args)], _env(env), timeout, check)
 
 
+def run_together(*calls):
+    """Independent jobs side by side (zero-argument callables, e.g. lambdas around run_python or
+    run_torchrun), their results in order; the first failure is raised once all have ended. A
+    1-process job leaves one of this machine's 2 cores idle, and a multi-process launch has phases
+    that do (the launcher's imports, rank 0 building the data first): a reference run beside the
+    launch it is compared with costs little wall time. Only for jobs whose assertions do not depend
+    on timing (exactness comparisons of deterministic runs), never for timeouts or kills."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+    return [future.result() for future in futures]
+
+
 def max_rel(a, b) -> float:
     """The largest relative difference between two equally long, non-empty series."""
     assert len(a) == len(b) and a, (a, b)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO, _env, free_port
+from dist_utils import REPO, _env, free_port, run_together
 
 SCRIPTS_DIR = REPO / "tests" / "accel_scripts"
 FSDP2_CONFIG = REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
@@ -132,6 +132,14 @@ class Run:
         found = self.of(kind)
         assert len(found) == 1, f"{self.command}: expected one {kind!r} METRIC line, got {found}"
         return found[0]
+
+
+def run_pair(name, nproc, base: Path):
+    """accelerate's run and hyperacc's of the same script side by side (run_together: independent,
+    deterministic runs; run_script caches each), both checked to have finished."""
+    ref, got = run_together(lambda: run_script(name, "accelerate", nproc, base),
+                            lambda: run_script(name, "hyperacc", nproc, base))
+    return ref.ok(), got.ok()
 
 
 def run_script(name, impl, nproc, base: Path, extra=(), tag="", args=None):
@@ -263,8 +271,7 @@ ONE_PROCESS_SLOW = ("multi_process_metrics", "complete_nlp_example", "memory", "
 @pytest.mark.parametrize("name", [pytest.param(n, marks=slow) if n in ONE_PROCESS_SLOW else n for n in SCRIPTS])
 def test_one_process_matches_accelerate(name, runs_dir):
     """python script.py: hyperacc's per-step losses and eval metrics equal accelerate's (rel <= 1e-6)."""
-    ref = run_script(name, "accelerate", 1, runs_dir).ok()
-    got = run_script(name, "hyperacc", 1, runs_dir).ok()
+    ref, got = run_pair(name, 1, runs_dir)
     assert_same_losses(ref, got)
     assert_eval_close(ref, got)
     assert_counts_exact(got)
@@ -330,8 +337,7 @@ def test_one_process_resume_from_epoch_continues_exactly(runs_dir):
 # ----------------------------------------------------------------------------------------- 2 processes
 
 def _two_process_compare(name, runs_dir):
-    ref = run_script(name, "accelerate", 2, runs_dir).ok()
-    got = run_script(name, "hyperacc", 2, runs_dir).ok()
+    ref, got = run_pair(name, 2, runs_dir)
     ref_setup = ref.one("setup")
     assert ref_setup["distributed_type"] == "DistributedType.MULTI_CPU" and ref_setup["num_processes"] == 2, (
         f"the accelerate reference did not run DDP over gloo on 2 processes: {ref_setup}")
@@ -385,9 +391,7 @@ def test_two_processes_resume_from_epoch_continues_exactly(runs_dir):
 
 @pytest.fixture(scope="module")
 def dist_checks(runs_dir):
-    ref = run_script("dist_checks", "accelerate", 2, runs_dir, args=[]).ok()
-    got = run_script("dist_checks", "hyperacc", 2, runs_dir, args=[]).ok()
-    return ref, got
+    return run_pair("dist_checks", 2, runs_dir)
 
 
 def test_gather_for_metrics_uneven_two_processes(dist_checks):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hyperacc
-from dist_utils import REPO, run_python, run_torchrun
+from dist_utils import REPO, run_python, run_together, run_torchrun
 from hyperacc.data.collate import pad_collate
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 
@@ -28,18 +28,23 @@ def _run(tmp_path, name, nproc, *extra):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """1 process x 4 micro-batches, and the full gradients of its first step."""
-    tmp = tmp_path_factory.mktemp("ref")
-    return _run(tmp, "one", 1, "--grads", tmp / "grads1.pt"), tmp / "grads1.pt"
+def jobs(tmp_path_factory):
+    """1 process x 4 micro-batches beside 2 processes x 2 micro-batches (run_together: independent,
+    deterministic runs), and the full gradients of each one's first step; one launch of each serves the
+    consistency matrix and the padded-gradients check."""
+    one, two = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("2x2")
+    return run_together(lambda: (_run(one, "one", 1, "--grads", one / "grads1.pt"), one / "grads1.pt"),
+                        lambda: (_run(two, "2x2", 2, "--grads", two / "grads2.pt"), two / "grads2.pt"))
 
 
 @pytest.fixture(scope="module")
-def two_by_two(tmp_path_factory):
-    """2 processes x 2 micro-batches, and the full gradients of its first step (one launch serves the
-    consistency matrix and the padded-gradients check)."""
-    tmp = tmp_path_factory.mktemp("2x2")
-    return _run(tmp, "2x2", 2, "--grads", tmp / "grads2.pt"), tmp / "grads2.pt"
+def reference(jobs):
+    return jobs[0]
+
+
+@pytest.fixture(scope="module")
+def two_by_two(jobs):
+    return jobs[1]
 
 
 @pytest.mark.parametrize("name,nproc,extra,micro", [   # recompute: also tests/test_router_aux.py (dp2 mb2)

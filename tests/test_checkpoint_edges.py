@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from dist_utils import REPO, run_python, run_torchrun
+from dist_utils import REPO, run_python, run_together, run_torchrun
 
 SCRIPT = REPO / "tests/scripts/ckpt_edges.py"
 
@@ -26,11 +26,19 @@ def _hashes(root):
 
 # ------------------------------------------------------------------------------ 1. saves only when asked
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    work = tmp_path_factory.mktemp("policy")
+def one_process_launches(tmp_path_factory):
+    """The policy runs beside accelerate's own save_state (2./3. below): two independent 1-process
+    launches side by side (run_together)."""
+    work, dist = tmp_path_factory.mktemp("policy"), tmp_path_factory.mktemp("dist")
     (work / "runs").mkdir()
-    run_python(SCRIPT, ["policy", work / "runs", work / "record.json"])
-    return json.loads((work / "record.json").read_text())
+    run_together(lambda: run_python(SCRIPT, ["policy", work / "runs", work / "record.json"]),
+                 lambda: run_python(SCRIPT, ["accelerate_save", dist / "accelerate"]))
+    return work, dist
+
+
+@pytest.fixture(scope="module")
+def policy(one_process_launches):
+    return json.loads((one_process_launches[0] / "record.json").read_text())
 
 
 def _steps(files, root):
@@ -74,14 +82,13 @@ def test_explicit_save_state_still_saves_and_end_training_adds_nothing(policy):
 
 # ------------------------------------------------------------------------ 2./3. another tool's checkpoint
 @pytest.fixture(scope="module")
-def dist_run(tmp_path_factory):
+def dist_run(one_process_launches):
     """accelerate's own save_state output and a transformers Trainer checkpoint layout, then one 2-rank run
     that tries to save into / load from them and checkpoints a tied model; the files are hashed around it."""
     from transformers import AutoModelForCausalLM
     import transformers
 
-    work = tmp_path_factory.mktemp("dist")
-    run_python(SCRIPT, ["accelerate_save", work / "accelerate"])
+    work = one_process_launches[1]                    # accelerate's save_state output is in work / "accelerate"
     trainer = work / "trainer"                  # checkpoint-N as transformers' Trainer lays it out on accelerate
     model = AutoModelForCausalLM.from_config(transformers.Qwen3Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,

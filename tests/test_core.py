@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hyperacc
-from dist_utils import REPO, run_accelerate, run_python, run_torchrun
+from dist_utils import REPO, run_accelerate, run_python, run_together, run_torchrun
 from hyperacc.config import ParallelConfig
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 from hyperacc.runtime import detect_device_type
@@ -19,10 +19,8 @@ def _rel(a, b):
     return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single") / "out.json"
-    run_python(SCRIPT, [out, "--steps", STEPS, "--meta"])
+def _one_process(out, *args):
+    run_python(SCRIPT, [out, *args])
     return json.loads(out.read_text())
 
 
@@ -36,14 +34,32 @@ TWO_PROCESS_RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("two")
+def _two_processes(folder):
     argv = []
     for name, args in TWO_PROCESS_RUNS.items():
         argv += [*(["--then"] if argv else []), folder / f"{name}.json", *args]
     run_torchrun(SCRIPT, 2, argv)
     return {name: json.loads((folder / f"{name}.json").read_text()) for name in TWO_PROCESS_RUNS}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Side by side (run_together: independent, deterministic runs): the 1-process run, a second
+    1-process run of one step (another process: the init must be the same across runs), the 2-process launch."""
+    folder = tmp_path_factory.mktemp("runs")
+    return run_together(lambda: _one_process(folder / "single.json", "--steps", STEPS, "--meta"),
+                        lambda: _one_process(folder / "again.json", "--steps", 1, "--meta"),
+                        lambda: _two_processes(folder))
+
+
+@pytest.fixture(scope="module")
+def single(jobs):
+    return jobs[0]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(jobs):
+    return jobs[2]
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +81,10 @@ def test_parameters_are_sharded_dtensors(two_procs):
     assert 0.45 <= share <= 0.55, share
 
 
-def test_meta_init_identical_across_ranks_and_runs(single, two_procs, tmp_path):
+def test_meta_init_identical_across_ranks_and_runs(jobs, single, two_procs):
     # The 2-process checksum is computed from full tensors gathered from both ranks' shards.
     assert single["init_checksum"] == pytest.approx(two_procs["init_checksum"], rel=1e-12)
-    out = tmp_path / "again.json"
-    run_python(SCRIPT, [out, "--steps", 1, "--meta"])
-    assert json.loads(out.read_text())["init_checksum"] == single["init_checksum"]
+    assert jobs[1]["init_checksum"] == single["init_checksum"]          # another process, the same init
 
 
 def test_scheduler_steps_once_per_optimizer_step(two_procs):

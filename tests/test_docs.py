@@ -2,9 +2,9 @@
 
 Snippets: every ```python block of a docs page carries a marker on the line before it --
 ``<!-- test: run -->`` (run here, each in a process of its own in an empty directory, offline, like
-test_readme's README sections; the processes are forked from one that imported the third-party
-libraries once, see tests/scripts/run_snippets.py), ``<!-- test: run, slow -->`` (the same in the slow set), ``<!-- test: run,
-repo -->`` (run from the repository root, for snippets that read the repository's files), or
+test_readme's README sections; one launch forks them all from a process that imported the third-party
+libraries once, see tests/snippet_runs.py), ``<!-- test: run, slow -->`` (the same in the slow set),
+``<!-- test: run, repo -->`` (run from the repository root, for snippets that read the repository's files), or
 ``<!-- test: fragment -->`` (a piece of a program: names defined elsewhere, paths of your own). An unmarked
 block fails `test_every_python_block_is_marked`, so no new snippet goes untested by accident.
 """
@@ -18,24 +18,9 @@ import sys
 import pytest
 
 from dist_utils import REPO, _env
+from snippet_runs import DOCS, MARKED, assert_ran, docs_snippets, pages
 
-DOCS = REPO / "docs"
-MARKED = re.compile(r"<!-- test: (?P<how>[^>]*?) -->\n```python\n(?P<code>.*?)```", re.S)
-
-
-def pages():
-    return sorted(DOCS.rglob("*.md"))
-
-
-def snippets():
-    """(page, index, options, code) of every block marked to run."""
-    found = []
-    for page in pages():
-        for index, match in enumerate(MARKED.finditer(page.read_text())):
-            options = [word.strip() for word in match.group("how").split(",")]
-            if options[0] == "run":
-                found.append((page.relative_to(DOCS).as_posix(), index, set(options[1:]), match.group("code")))
-    return found
+snippets = docs_snippets
 
 
 def _param(page, index, options, code):
@@ -149,37 +134,9 @@ def test_every_python_block_is_marked():
     assert len(snippets()) >= 10
 
 
-@pytest.fixture(scope="module")
-def snippet_results(tmp_path_factory):
-    """{(code, in_repo): (exit code, stdout, stderr)} of every snippet this run runs, each in a process of
-    its own in an empty directory (or the repository root): tests/scripts/run_snippets.py forks one child
-    per snippet from a process that imported torch, accelerate, transformers and datasets once -- never
-    hyperacc -- so a snippet costs its own work, not ~3 s of imports (one launch for all of them)."""
-    from conftest import SLOW
-
-    root, specs, keys = tmp_path_factory.mktemp("snippets"), [], {}
-    for n, (page, index, options, code) in enumerate(snippets()):
-        if "slow" in options and not SLOW:
-            continue
-        folder = root / f"{n}"
-        folder.mkdir()
-        script = folder / "snippet.py"
-        script.write_text(code)
-        spec = f"{script}:{REPO}" if "repo" in options else str(script)
-        specs.append(spec)
-        keys[spec] = (code, "repo" in options)
-    subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "run_snippets.py"), str(root / "codes.json"),
-                    *specs], cwd=root, env=_env(), check=True, timeout=300 * max(1, len(specs)))
-    codes = json.loads((root / "codes.json").read_text())
-    assert list(codes) == specs, codes
-    return {keys[spec]: (codes[spec], *(open(spec.split(":")[0] + suffix).read() for suffix in (".stdout", ".stderr")))
-            for spec in specs}
-
-
 @pytest.mark.parametrize("code, in_repo", [_param(*snippet) for snippet in snippets()])
-def test_docs_snippet_runs(code, in_repo, snippet_results):
-    returncode, stdout, stderr = snippet_results[(code, in_repo)]
-    assert returncode == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
+def test_docs_snippet_runs(code, in_repo, tmp_path_factory):
+    assert_ran(tmp_path_factory, code, in_repo)        # one launch for every snippet (tests/snippet_runs.py)
 
 
 # --------------------------------------------------------------------------- (3) the build

@@ -1,6 +1,6 @@
 """examples/train_qwen.py end to end on real `accelerate launch` processes (2 CPU ranks, gloo).
 
-Four 2-process launches serve every assertion (module-scoped fixtures):
+Four 2-process launches serve every assertion (module-scoped fixtures; the baseline beside the resume's two):
   baseline  - the default config, 30 steps, production mode, uninterrupted;
   resume    - run 1: validate mode, stopped after step 15 by the preemption test hook with a save
               at 15 (same max_steps=30, so the same lr schedule); run 2: production mode,
@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from dist_utils import REPO, run_accelerate, run_python
+from dist_utils import REPO, run_accelerate, run_python, run_together
 from example_utils import load_example, run_main
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
@@ -35,14 +35,28 @@ def _launch(args, env=None, check=True):
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
+def launches(tmp_path_factory):
+    """The baseline beside the resume's two launches (run_together: independent, deterministic runs)."""
+    return run_together(lambda: _baseline(tmp_path_factory), lambda: _resume(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def baseline(launches):
+    return launches[0]
+
+
+@pytest.fixture(scope="module")
+def resume(launches):
+    return launches[1]
+
+
+def _baseline(tmp_path_factory):
     out = tmp_path_factory.mktemp("baseline")
     _launch([f"--logging.metrics_file={out / 'metrics.jsonl'}", f"--training.max_steps={STEPS}"])
     return _records(out / "metrics.jsonl")
 
 
-@pytest.fixture(scope="module")
-def resume(tmp_path_factory):
+def _resume(tmp_path_factory):
     out = tmp_path_factory.mktemp("resume")
     common = [f"--logging.metrics_file={out / 'metrics.jsonl'}", f"--lr_scheduler.total_steps={STEPS}",
               "--checkpoint.save_ckpt=true", f"--checkpoint.checkpoint_dir={out / 'ckpt'}",

@@ -4,9 +4,10 @@ fit a dense model; TRL's string prompt-completion records train; every row is ch
 one line, printed once, in the example's flag names.
 
 Launches (the rest runs in this process): one 2-process training run of a dense Qwen3 on string
-prompt-completion records that saves a checkpoint (`trained`); one 2-process resume with changed data
-(the config error: exit 2 from the worker, one line, once); two 1-process resumes after the data file
-changed in place (refused by the loader at load_state as one line; resumed with resume_mismatch=restart).
+prompt-completion records that saves a checkpoint (`trained`); two 1-process resumes after the data file
+changed in place (refused by the loader at load_state as one line; resumed with resume_mismatch=restart);
+in the slow set, one 2-process resume with changed data (the config error: exit 2 from the worker, one
+line, once).
 """
 import hashlib
 import json
@@ -110,6 +111,10 @@ def test_restart_lets_changed_data_through_preflight(example, trained):
     example.preflight(cfg, world)      # the loader restarts the data; the schedule and model are unchanged
 
 
+# Slow set: the refusal itself is checked in this process above (test_resume_refusals_are_preflight_config_errors,
+# data.seq_len among them), and the exit path under accelerate launch (exit 2 from the worker, one line, no
+# traceback) by default in tests/test_flag_fuzz.py::test_the_config_yaml_refusal_exits_2_once_under_accelerate.
+@pytest.mark.slow
 def test_changed_data_resume_exits_2_once_under_accelerate(trained):
     before = _tree_digest(trained["ckpt"], trained["data"])
     proc = run_accelerate(SCRIPT, CPU2, [*trained["common"], "--checkpoint.save_ckpt=true",

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from conftest import SLOW
-from dist_utils import REPO, max_rel, run_accelerate
+from dist_utils import REPO, max_rel, run_accelerate, run_together
 from example_utils import config_error, load_example
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
@@ -60,12 +60,16 @@ def moe_runs(tmp_path_factory):
     checkpoint, packed to STEPS (the run that was stopped there, continued)."""
     root = tmp_path_factory.mktemp("chat_moe")
     runs = {}
-    for name, packing in (("packed", "true"), ("padded", "false")):
+
+    def run(name, packing):
         (root / name).mkdir()
         save = ["--checkpoint.save_ckpt=true", f"--checkpoint.checkpoint_dir={root / name / 'ckpt'}",
                 f"--checkpoint.save_steps={STOP}"] if name == "packed" else []
         _launch(root / name, f"--data.packing={packing}", f"--training.max_steps={STEPS}", *save)
         runs[name] = _losses(root / name / "metrics.jsonl")
+
+    # side by side (run_together: independent, deterministic runs)
+    run_together(lambda: run("packed", "true"), lambda: run("padded", "false"))
     stop = root / "stop"
     stop.mkdir()
     resumed = _launch(stop, "--data.packing=true", f"--training.max_steps={STEPS}", "--checkpoint.save_ckpt=false",

@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from dist_utils import REPO, run_python, run_torchrun
+from dist_utils import REPO, run_python, run_together, run_torchrun
 
 SCRIPTS = REPO / "tests" / "scripts"
 CASES = ["torch_dispatch", "torch_shard", "torch_split", "torch_drop_last", "hf_stream", "hf_shards"]
@@ -43,11 +43,26 @@ def two(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, two):
-    out = tmp_path_factory.mktemp("iterable_one")
-    run_python(SCRIPTS / "iterable_run.py", ["--out", out, "--resume-from", two / "ckpt_torch_drop_last",
-                                             "--expect", two / "result.json"], timeout=600)
-    return {1: _result(out), 2: _result(two)}
+def one_process_launches(tmp_path_factory, two, hyperacc_cache):
+    """The two 1-process launches side by side (run_together: independent, deterministic runs): the
+    iterable cases at world 1 (resuming the 2-process checkpoint) and the SFTTrainer stream (with TRL)."""
+    import importlib.util
+
+    one, stream = tmp_path_factory.mktemp("iterable_one"), tmp_path_factory.mktemp("stream_sft")
+    launches = [lambda: run_python(SCRIPTS / "iterable_run.py", ["--out", one, "--resume-from",
+                                                                  two / "ckpt_torch_drop_last",
+                                                                  "--expect", two / "result.json"], timeout=600)]
+    if importlib.util.find_spec("trl") is not None:
+        launches.append(lambda: run_python(SCRIPTS / "stream_trainer_run.py", ["--out", stream, "--resume-steps",
+                                                                               "2,4,6"],
+                                           env={"HYPERACC_CACHE": hyperacc_cache}, timeout=600))
+    run_together(*launches)
+    return one, stream
+
+
+@pytest.fixture(scope="module")
+def runs(one_process_launches, two):
+    return {1: _result(one_process_launches[0]), 2: _result(two)}
 
 
 def _flat(step: dict) -> list:
@@ -176,12 +191,9 @@ def test_micro_batch_loader_refuses_streams_naming_what_works(tmp_path):
 
 # ----------------------------------------------------------------------------- SFTTrainer on a stream
 @pytest.fixture(scope="module")
-def sft(tmp_path_factory, hyperacc_cache):
+def sft(one_process_launches):
     pytest.importorskip("trl")
-    out = tmp_path_factory.mktemp("stream_sft")
-    run_python(SCRIPTS / "stream_trainer_run.py", ["--out", out, "--resume-steps", "2,4,6"],
-               env={"HYPERACC_CACHE": hyperacc_cache}, timeout=600)
-    return _result(out)
+    return _result(one_process_launches[1])
 
 
 def test_sft_trainer_on_a_streaming_dataset_matches_plain_trl(sft):

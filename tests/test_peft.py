@@ -26,7 +26,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from dist_utils import REPO, max_rel, run_python, run_torchrun  # noqa: E402
+from dist_utils import REPO, max_rel, run_python, run_together, run_torchrun  # noqa: E402
 
 SCRIPT = REPO / "tests" / "scripts" / "peft_run.py"
 STEPS, SAVE_AT = 10, 5
@@ -111,16 +111,22 @@ def checks(tmp, run_a):
 
 
 @pytest.fixture(scope="module")
-def run_b(tmp, base_dir):
-    _launch(1, _train_args(tmp / "b.json", base_dir))
+def killed_and_b(tmp, base_dir):
+    """K beside B (run_together: independent runs, K killed at a step, not a time)."""
+    return run_together(
+        lambda: _launch(2, _train_args(tmp / "k.json", base_dir, "--ckpt", tmp / "ck_k", "--save-steps", SAVE_AT,
+                                       "--kill-after", SAVE_AT), check=False),
+        lambda: _launch(1, _train_args(tmp / "b.json", base_dir)))
+
+
+@pytest.fixture(scope="module")
+def run_b(tmp, killed_and_b):
     return _record(tmp / "b.json"), torch.load(tmp / "b.json.pt")
 
 
 @pytest.fixture(scope="module")
-def killed(tmp, base_dir):
-    proc = _launch(2, _train_args(tmp / "k.json", base_dir, "--ckpt", tmp / "ck_k", "--save-steps", SAVE_AT,
-                                  "--kill-after", SAVE_AT), check=False)
-    return proc, _record(tmp / "k.json")
+def killed(tmp, killed_and_b):
+    return killed_and_b[0], _record(tmp / "k.json")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from dist_utils import REPO, run_python, run_torchrun
+from dist_utils import REPO, run_python, run_together, run_torchrun
 from example_utils import load_example, run_main
 from hyperacc import FSDPConfig
 from hyperacc.precision import adamw as optim
@@ -187,8 +187,8 @@ def test_the_plan_follows_the_recipe(example, capsys, tmp_path):
 
 
 def test_a_training_run_that_does_not_fit_stops_before_anything_is_built(example, capsys, tmp_path):
-    code, _, stderr = run_main(example, ["--training.device_memory_gb=0.001", f"--checkpoint.checkpoint_dir={tmp_path / 'ck'}",
-                                         "--checkpoint.save_ckpt=true"], capsys)
+    code, _, stderr = run_main(example, ["--training.device_memory_gb=0.001", "--checkpoint.save_ckpt=true",
+                                         f"--checkpoint.checkpoint_dir={tmp_path / 'ck'}"], capsys)
     assert code == 2 and "training.device_memory_gb=0.001" in stderr, stderr[-2000:]
     assert not (tmp_path / "ck").exists()
 
@@ -264,11 +264,12 @@ def test_the_rfc_config_offline_says_so_in_one_line():
 MIXED_OUTPUTS = REPO / "tests" / "scripts" / "mixed_precision_outputs.py"
 
 
-def _forward(tmp_path, *runs):
+def _forward(folder, *runs):
     """Each run's record; the runs share one process (mixed_precision_outputs.py --then)."""
+    folder.mkdir()
     outs, argv = [], []
     for args in runs:
-        outs.append(tmp_path / f"forward{len(list(tmp_path.glob('forward*'))) + len(outs)}.json")
+        outs.append(folder / f"forward{len(outs)}.json")
         argv += [*(["--then"] if argv else []), outs[-1], *args]
     run_python(MIXED_OUTPUTS, argv, timeout=180)
     return [json.loads(out.read_text()) for out in outs]
@@ -279,12 +280,13 @@ def test_mixed_precision_bf16_returns_fp32_outputs_and_matches_accelerates_loss(
     unit's outputs (FSDP2 output_dtype): fp32 logits and loss, bf16 between the blocks. A bf16
     recipe without mixed_precision is a storage choice: its outputs stay bf16. accelerate's process
     state (AcceleratorState) is process-wide and keeps its mixed_precision: accelerate's run has a
-    process of its own, hyperacc's two bf16 runs share one, the run without mixed precision another."""
-    (theirs,) = _forward(tmp_path, ["--engine", "accelerate"])             # accelerate.Accelerator, same weights
-    ours, via_config = _forward(
-        tmp_path, ["--engine", "hyperacc"],                                 # Accelerator(mixed_precision="bf16")
-        ["--engine", "hyperacc", "--precision", "bf16"])                    # FSDPConfig(mixed_precision=)
-    (recipe_only,) = _forward(tmp_path, ["--engine", "hyperacc", "--precision", "bf16", "--mixed-precision", "no"])
+    process of its own, hyperacc's two bf16 runs share one, the run without mixed precision another; the
+    three processes run side by side (run_together: deterministic, independent)."""
+    (theirs,), (ours, via_config), (recipe_only,) = run_together(
+        lambda: _forward(tmp_path / "a", ["--engine", "accelerate"]),    # accelerate.Accelerator, same weights
+        lambda: _forward(tmp_path / "b", ["--engine", "hyperacc"],       # Accelerator(mixed_precision="bf16")
+                         ["--engine", "hyperacc", "--precision", "bf16"]),   # FSDPConfig(mixed_precision=)
+        lambda: _forward(tmp_path / "c", ["--engine", "hyperacc", "--precision", "bf16", "--mixed-precision", "no"]))
     for run in (ours, theirs, via_config):
         assert run["logits_dtype"] == run["loss_dtype"] == "torch.float32", run
     assert ours["block_output_dtype"] == via_config["block_output_dtype"] == "torch.bfloat16"

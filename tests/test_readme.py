@@ -1,26 +1,16 @@
-"""The README: it starts with the two commands, its custom-loop snippet runs (in a fresh process in an empty
-directory), it stays one screen's purpose (<= 200 lines) and its links point at files that exist.
+"""The README: it starts with the two commands, its custom-loop snippet runs (in a process and an empty
+directory of its own, tests/snippet_runs.py), it stays one screen's purpose (<= 200 lines) and its links
+point at files that exist.
 
 The snippets that used to live in the README moved to the documentation site (docs/); tests/test_docs.py runs
 them from there."""
 import re
-import subprocess
-import sys
 
 import pytest
 
-from dist_utils import REPO, _env
-
-README = (REPO / "README.md").read_text()
-SECTIONS = ["A custom loop"]
-
-
-def first_python_block(heading: str) -> str:
-    match = re.search(rf"^###? {re.escape(heading)}\n(.*?)(?=^###? |\Z)", README, flags=re.S | re.M)
-    assert match, f"README has no section '## {heading}'"
-    blocks = re.findall(r"```python\n(.*?)```", match.group(1), flags=re.S)
-    assert blocks, f"section '{heading}' has no python snippet"
-    return blocks[0]
+from dist_utils import REPO
+from snippet_runs import README, README_SECTIONS as SECTIONS, assert_ran
+from snippet_runs import readme_block as first_python_block
 
 
 def test_readme_starts_with_the_two_commands():
@@ -29,12 +19,9 @@ def test_readme_starts_with_the_two_commands():
 
 
 @pytest.mark.parametrize("heading", SECTIONS)
-def test_readme_snippet_runs(heading, tmp_path):
-    script = tmp_path / "snippet.py"
-    script.write_text(first_python_block(heading))
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, f"{heading}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+def test_readme_snippet_runs(heading, tmp_path_factory):
+    # in a process and an empty directory of its own, in the one launch of every snippet (tests/snippet_runs.py)
+    assert_ran(tmp_path_factory, first_python_block(heading))
 
 
 def test_readme_is_one_screen_of_purpose_with_working_links():

@@ -89,7 +89,8 @@ def test_bf16_sr_does_not_depend_on_the_world_size_and_resumes_across_it(two_pro
     saved, records = two_process_job
     two = records["two"]
     # one process: the same run, then the resume of the 2-process run's step 8, in one job
-    ones = _runs(tmp_path, 1, {"one": WORLD_ARGS, "resumed": [*WORLD_ARGS, "--restore", saved / "ckpt_two" / "global_step_8"]})
+    ones = _runs(tmp_path, 1, {"one": WORLD_ARGS,
+                               "resumed": [*WORLD_ARGS, "--restore", saved / "ckpt_two" / "global_step_8"]})
     one, resumed = ones["one"], ones["resumed"]
     assert max_rel(_series(two), _series(one)) <= 1e-5          # was 1.8e-4: rounding keyed by shard
     assert max_rel(_series(two, "grad_norm"), _series(one, "grad_norm")) <= 1e-5

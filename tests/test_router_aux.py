@@ -6,7 +6,7 @@ import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 import hyperacc
-from dist_utils import max_rel, run_layouts
+from dist_utils import max_rel, run_layouts, run_together
 from hyperacc.data.collate import pad_collate
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 
@@ -80,16 +80,23 @@ def _run(tmp_path_factory, name, layouts, nproc, *extra):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One process, 2 micro-batches of 4 sequences; the same with 8 micro-batches of 1; and with the
-    aux loss off."""
-    return _run(tmp_path_factory, "ref", ["dp1mb4", "dp1mb1", "dp1mb4na"], 1)
+def jobs(tmp_path_factory):
+    """The 1-process reference -- 2 micro-batches of 4 sequences; the same with 8 micro-batches of 1; and
+    with the aux loss off -- beside the 2-process layouts (run_together: independent, deterministic runs)."""
+    return run_together(
+        lambda: _run(tmp_path_factory, "ref", ["dp1mb4", "dp1mb1", "dp1mb4na"], 1),
+        lambda: _run(tmp_path_factory, "two", ["dp2mb1", "dp2mb2", "dp2ep2mb1", "dp1cp2mb4", "dp1tp2mb2"], 2,
+                     "--recompute", "dp2mb2"))
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
-    return _run(tmp_path_factory, "two", ["dp2mb1", "dp2mb2", "dp2ep2mb1", "dp1cp2mb4", "dp1tp2mb2"], 2,
-                "--recompute", "dp2mb2")
+def reference(jobs):
+    return jobs[0]
+
+
+@pytest.fixture(scope="module")
+def layouts(jobs):
+    return jobs[1]
 
 
 @pytest.mark.parametrize("layout", ["dp2mb1", "dp2mb2", "dp2ep2mb1", "dp1cp2mb4", "dp1tp2mb2"])

@@ -12,7 +12,7 @@ in turn), module-scoped and shared by the tests:
   2 procs  ref     Trainer, per-device 2 x GA 2, save_steps 2, save_total_limit 2; save_model() (full HF model)
            lora    SFTTrainer + LoRA (q_proj, v_proj) + packing; save_model() -> adapter; logits of a batch
            killed  ref's arguments; every rank leaves with os._exit right after the save of step 4 (mid-epoch)
-  2 procs  resumed `train(resume_from_checkpoint=True)` on killed's directory, to step 8
+  2 procs  resumed `train(resume_from_checkpoint=True)` on killed's directory, to step 8; beside it:
   1 proc   one     per-device 2 x GA 4 (the same global batch, the same samples per step)
            one_res a copy of killed's directory resumed from its global_step_4 path, per-device 4 x GA 2
            refuse  the bad inputs, each caught in turn; ref's checkpoints with the newest one's bytes flipped
@@ -37,7 +37,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from dist_utils import REPO, run_python, run_torchrun  # noqa: E402
+from dist_utils import REPO, run_python, run_together, run_torchrun  # noqa: E402
 
 SCRIPT = REPO / "tests" / "scripts" / "trainer_run.py"
 STEPS = 8
@@ -224,13 +224,28 @@ def killed(two_procs):
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp, killed):
+def second_launches(tmp, two_procs):
+    """resumed (2 processes) beside the 1-process launch: both read only what the first launch left
+    (run_together: independent, deterministic runs; the kill was at a step, not a time)."""
+    return run_together(lambda: _resumed(tmp), lambda: _one_proc(tmp))
+
+
+@pytest.fixture(scope="module")
+def resumed(second_launches):
+    return second_launches[0]
+
+
+@pytest.fixture(scope="module")
+def one_proc(second_launches):
+    return second_launches[1]
+
+
+def _resumed(tmp):
     _launch(2, tmp / "killed", tmp / "resumed.json", *DENSE, "--resume")
     return _with_weights(tmp / "resumed.json")
 
 
-@pytest.fixture(scope="module")
-def one_proc(tmp, two_procs):
+def _one_proc(tmp):
     """One 1-process launch: one (GA 4), one_res (killed's copy resumed, per-device 4), the refusals."""
     corrupt = tmp / "corrupt"
     victim = corrupt / "global_step_8" / "__1_0.distcp"

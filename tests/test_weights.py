@@ -241,16 +241,9 @@ def test_a_truncated_file_is_refused_when_the_table_is_built(models, tmp_path):
     assert header_metadata(str(models / "moe" / "model.safetensors")) == {"format": "pt"}
 
 
-def test_docs_snippet_runs(tmp_path):
-    """The first snippet of docs/guides/weights.md (test_docs runs it only in the slow set)."""
-    import re
-    import subprocess
-    import sys
+def test_docs_snippet_runs(tmp_path_factory):
+    """The first snippet of docs/guides/weights.md (test_docs runs it only in the slow set), in a process and
+    an empty directory of its own, in the one launch of every snippet (tests/snippet_runs.py)."""
+    from snippet_runs import assert_ran, weights_snippet
 
-    from dist_utils import _env
-
-    page = (REPO / "docs" / "guides" / "weights.md").read_text()
-    (tmp_path / "snippet.py").write_text(re.findall(r"```python\n(.*?)```", page, flags=re.S)[0])
-    proc = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_ran(tmp_path_factory, weights_snippet())

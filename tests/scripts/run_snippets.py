@@ -1,13 +1,14 @@
 """Run documentation snippets, each in a process of its own, without paying the heavy imports each time.
 
-    run_snippets.py OUT.json SNIPPET.py[:CWD] [SNIPPET.py[:CWD] ...]
+    run_snippets.py OUT.json SNIPPET.py[:CWD] [SNIPPET.py[:CWD] ...]     (as many at a time as there are CPUs)
 
 This process imports the third-party libraries the snippets use (torch with torch.distributed, accelerate,
 transformers, datasets: ~3 s of start-up per process) once, then forks one child per snippet: a new process
 with nothing of the snippet's own -- no hyperacc module (a snippet that forgets an import of hyperacc fails
 as it would for a user), no process group, no Accelerator -- that runs the file as ``python SNIPPET.py``
 does (``__main__``, ``sys.argv``, ``sys.path[0]`` the file's folder) in CWD (default: the file's folder),
-its output in SNIPPET.py.stdout / .stderr. OUT.json: {snippet: exit code}, in order, written as each ends.
+its output in SNIPPET.py.stdout / .stderr. OUT.json: {snippet: exit code}, in the order given. A
+single-process Accelerator uses an in-memory store (no port), so snippets can run side by side.
 """
 import json
 import os
@@ -49,21 +50,30 @@ def run_child(path: str, cwd: str) -> int:
     return code
 
 
+def start(spec: str) -> int:
+    path, _, cwd = spec.partition(":")
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = run_child(path, cwd or os.path.dirname(os.path.abspath(path)))
+        finally:
+            os._exit(code)
+    return pid
+
+
 def main():
-    out, codes = sys.argv[1], {}
-    for spec in sys.argv[2:]:
-        path, _, cwd = spec.partition(":")
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                code = run_child(path, cwd or os.path.dirname(os.path.abspath(path)))
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        codes[spec] = os.waitstatus_to_exitcode(status)
-        with open(out, "w") as handle:
-            json.dump(codes, handle)
+    out, specs = sys.argv[1], sys.argv[2:]
+    jobs = os.cpu_count() or 1          # snippets side by side: each its own process, folder and (HashStore) group
+    codes, running, waiting = {}, {}, list(specs)
+    while waiting or running:
+        while waiting and len(running) < jobs:
+            spec = waiting.pop(0)
+            running[start(spec)] = spec
+        pid, status = os.wait()
+        codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+    with open(out, "w") as handle:
+        json.dump({spec: codes[spec] for spec in specs}, handle)
 
 
 if __name__ == "__main__":
