@@ -8,6 +8,7 @@ group it did not create up), exactly as a job of its own would, and writes its o
 """
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -33,6 +34,7 @@ def run_all(run, parse, argv=None):
     if len(runs) > 1 and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        time.sleep(0.05)   # as hyperacc.runtime.process.shutdown: gloo threads finish before the interpreter
 
 
 def then(*runs):
