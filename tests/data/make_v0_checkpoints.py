@@ -13,8 +13,11 @@ buckets: model, optimizer, lr_scheduler, dataloader, rng, progress), then traine
 ``expected.json`` records what those two steps produced (losses, learning rates, the random draws right
 after the save, the final parameters' sha256) and what the checkpoint holds by name (``layout``).
 ``tests/test_checkpoint_v0.py`` runs ``resume`` with the current code: the same model, optimizer,
-scheduler and loader rebuilt, ``load_state`` of the stored checkpoint, the same two steps, which must
-reproduce ``expected.json`` bit for bit. The fixtures are never regenerated with newer code (a fixture
+scheduler and loader rebuilt, ``load_state`` of the stored checkpoint (the loaded state saved again into
+``<fixture>/reloaded_step_2``, which must hold the stored tensors bit for bit), the same two steps, which
+must reproduce ``expected.json``'s draws, learning rates and epochs exactly and its losses to float
+rounding (bit for bit on a CPU with the writer's kernels; another instruction set, e.g. AVX-512, sums in
+another order). The fixtures are never regenerated with newer code (a fixture
 written by the code under test proves nothing about old checkpoints): a change meant to stay compatible
 has to load these files as they are.
 
@@ -230,7 +233,11 @@ def resume(kind: str, fixtures: str):
         expected = json.load(handle)
     acc, model, optimizer, scheduler, loader, counter = build(kind, os.path.join(folder, "ckpt"))
     loaded = acc.load_state("LATEST" if kind == "tied" else os.path.join(folder, expected["checkpoint"]))
+    # the state as loaded, written by this code (the test compares its tensors with the stored ones bit for
+    # bit: a check no CPU's kernels can move); saved before the draws, as generate's draws follow its save
+    again = acc.save_state(os.path.join(folder, f"reloaded_step_{SAVE_AT}"))
     record = {"fixture": kind, "loaded": os.path.relpath(loaded, folder) if loaded else None,
+              "stored_path": loaded, "reloaded_path": again,
               **after_restart(acc, model, optimizer, scheduler, loader, counter)}
     # a directory of its own (checkpoint_dir holds the stored run's history, which this run does not own)
     record["layout"] = layout(acc.save_state(os.path.join(folder, f"resaved_step_{STEPS}")))
