@@ -7,7 +7,7 @@ _moved.install()      # old module paths (hyperacc.optim, hyperacc.metrics, ...)
 
 __version__ = "0.1.0"
 __all__ = ["Accelerator", "ParallelConfig", "FSDPConfig", "CheckpointConfig", "MicroBatchDataLoader",
-           "prepare", "ReplicaGuard", "ReplicaMismatchError"]
+           "StreamingDataLoader", "prepare", "ReplicaGuard", "ReplicaMismatchError"]
 
 
 def __getattr__(name):
@@ -19,6 +19,9 @@ def __getattr__(name):
     if name == "MicroBatchDataLoader":
         from hyperacc.data.loader import MicroBatchDataLoader
         return MicroBatchDataLoader
+    if name == "StreamingDataLoader":
+        from hyperacc.data.streaming import StreamingDataLoader
+        return StreamingDataLoader
     if name in ("ReplicaGuard", "ReplicaMismatchError"):
         from hyperacc.training import replica_guard
         return getattr(replica_guard, name)

@@ -45,6 +45,12 @@ class DataResumeMismatch(ValueError):
     own class, so that a script reports it as the configuration problem it is, not as a crash."""
 
 
+# ------------------------------------------------------------ raised by hyperacc.data.streaming
+class StreamRowError(ValueError):
+    """A streamed record could not be made into samples (``bad_rows='error'``): the message names its
+    position in the stream, so that it can be found and fixed, or skipped with ``bad_rows='skip'``."""
+
+
 # ------------------------------------------------------------ raised by hyperacc.training.accumulation
 class TokenIdError(ValueError):
     """A batch holds token ids outside the model's vocabulary (raised on every rank, before the forward)."""

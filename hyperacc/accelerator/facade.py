@@ -211,14 +211,16 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         from hyperacc.data.loader import MicroBatchDataLoader
         from hyperacc.data.resumable import prepare_plain_loader
+        from hyperacc.data.streaming import StreamingDataLoader
 
-        if isinstance(data_loader, MicroBatchDataLoader):
+        if isinstance(data_loader, (MicroBatchDataLoader, StreamingDataLoader)):
             prepared = data_loader.bind(self.dp_rank, self.dp_size)
         elif isinstance(data_loader, torch.utils.data.DataLoader):
             prepared = prepare_plain_loader(self, data_loader, device_placement, slice_fn_for_dispatch)
         else:
             raise TypeError(f"prepare() does not know how to prepare a {type(data_loader).__name__}: pass "
-                            "nn.Module, torch.optim.Optimizer, LR scheduler, DataLoader or MicroBatchDataLoader.")
+                            "nn.Module, torch.optim.Optimizer, LR scheduler, DataLoader, MicroBatchDataLoader or "
+                            "StreamingDataLoader.")
         self._dataloaders.append(prepared)
         if self._train_loader is None:
             self._train_loader = prepared

@@ -1,9 +1,12 @@
-"""Data: the stateful micro-batch loader, collators, text and chat pipelines and Megatron format.
+"""Data: the stateful micro-batch loaders (map-style and streams), collators, text and chat pipelines and Megatron format.
 
 Exports are lazy so that `import hyperacc.data.megatron` (and the convert CLI) stay light.
 """
 _EXPORTS = {
     "MicroBatchDataLoader": "hyperacc.data.loader",
+    "StreamingDataLoader": "hyperacc.data.streaming",
+    "TextWindows": "hyperacc.data.stream_samples",
+    "ChatRecords": "hyperacc.data.stream_samples",
     "default_collate": "hyperacc.data.collate",
     "pad_collate": "hyperacc.data.collate",
     "build_train_dataset": "hyperacc.data.text",
