@@ -27,7 +27,7 @@ reading the records before the window again (said once in a warning). Because th
 on the DP size, a state saved at one DP size resumes exactly at another with the same global batch.
 
 Bad rows. A record the transform cannot turn into samples is a ``StreamRowError`` naming its position
-(epoch, record number in the stream, and the source's shard and row when the source says them), or,
+(epoch and record number in the stream's own order, counted from 0, and the record's start), or,
 with ``bad_rows="skip"``, skipped and counted (``skipped_rows``; one warning per epoch).
 """
 from __future__ import annotations
@@ -184,23 +184,12 @@ class StreamingDataLoader:
                 next(records)
         return records
 
-    def _position_name(self, pos: _Position, index: int, original: int) -> str:
-        where = f"record {pos.records_before + index} of epoch {pos.epoch} of the stream"
-        if self._positioned and isinstance(pos.source, Mapping):
-            try:                                   # the source's own words for the row (datasets: shard, row)
-                probe = self._records_from(pos)
-                for _ in range(original + 1):
-                    next(probe)
-                state = self._source.state_dict()
-                shard = _find(state, "shard_idx")
-                row = _find(state, "shard_example_idx")
-                if shard is not None and row is not None:
-                    where += f" (source shard {shard}, row {row - 1})"
-            except Exception:  # noqa: BLE001 - the position above is exact already
-                pass
-            finally:
-                self._source.load_state_dict(copy.deepcopy(pos.source))
-        return where
+    @staticmethod
+    def _position_name(pos: _Position, index: int, record) -> str:
+        """The record's place in the stream (exact, as the loader counts) and its start, to find it by."""
+        preview = repr(record)
+        preview = preview if len(preview) <= 80 else preview[:77] + "..."
+        return f"record {pos.records_before + index} of epoch {pos.epoch} of the stream ({preview})"
 
     # ------------------------------------------------------------------ samples
     def _samples(self, pos: _Position) -> Iterator[tuple[Any, _Position]]:
@@ -240,7 +229,8 @@ class StreamingDataLoader:
                         self.skipped_rows += 1
                         samples = []
                     else:
-                        raise StreamRowError(f"{self._position_name(here, index, order[index])} cannot be made into "
+                        where = self._position_name(here, order[index], chunk[order[index]])
+                        raise StreamRowError(f"{where} cannot be made into "
                                              f"samples: {type(err).__name__}: {err}. Fix: correct or remove the row, or "
                                              "pass bad_rows='skip' to skip and count such rows") from None
                 for k in range(used, len(samples)):
@@ -337,17 +327,3 @@ class StreamingDataLoader:
 
 def _carry(transform):
     return copy.deepcopy(transform.state_dict()) if transform is not None and hasattr(transform, "state_dict") else None
-
-
-def _find(tree, key):
-    """The first value under ``key`` anywhere in a nested state dict (datasets nests its per-shard state)."""
-    if isinstance(tree, Mapping):
-        if key in tree:
-            return tree[key]
-        tree = list(tree.values())
-    if isinstance(tree, (list, tuple)):
-        for value in tree:
-            found = _find(value, key)
-            if found is not None:
-                return found
-    return None

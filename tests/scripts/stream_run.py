@@ -11,7 +11,8 @@ Global batch 4, micro-batch 1. Per optimizer step rank 0 records the loss and a 
 samples in global order (gathered from every rank, so it does not depend on the number of processes).
 
 ``--save-at K`` saves at step K (``CheckpointConfig(save_steps=K)``); ``--kill-after K2`` SIGKILLs every
-rank right after step K2 (the launch fails; the checkpoint of step K is what survives). ``--resume``
+rank right after step K2 (the launch fails; the checkpoint of step K is what survives); ``--end-after K2``
+stops there without another save (as a kill, for a run that is not the job's last). ``--resume``
 starts with ``load_state`` of ``--ckpt``'s LATEST. Rank 0 writes ``--out``: {"steps": {step: [loss,
 digest]}, "params": sha256 of the final parameters, "skipped": rows skipped}. Several runs in one job:
 ``--then`` (tests/scripts/run_sequence.py).
@@ -41,6 +42,7 @@ def parse(argv):
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--save-at", type=int, default=0)
     p.add_argument("--kill-after", type=int, default=0)
+    p.add_argument("--end-after", type=int, default=0)
     p.add_argument("--resume", action="store_true")
     return p.parse_args(argv)
 
@@ -92,9 +94,11 @@ def run(a):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
     model.train()
+    acc.save_on_end = False               # only the --save-at checkpoint: what a kill after it leaves
     acc.load_state()
+    last = a.end_after or a.steps
     steps = {}
-    while acc.progress.global_step < a.steps:
+    while acc.progress.global_step < last:
         for batch in loader:
             with acc.accumulate(model, batch) as micro_batches:
                 for mb in micro_batches:
@@ -105,10 +109,13 @@ def run(a):
             acc.step_end()
             step = acc.progress.global_step
             steps[step] = [acc.step_loss, digest(batch)]
+            if acc.is_main_process:                    # each step: a killed run leaves its record too
+                with open(a.out, "w") as handle:
+                    json.dump({"steps": steps}, handle)
             if step == a.kill_after:
                 acc.wait_for_everyone()
                 os.kill(os.getpid(), signal.SIGKILL)
-            if step >= a.steps:
+            if step >= last:
                 break
     params = hashlib.sha256()
     for name, p in model.named_parameters():
