@@ -175,6 +175,7 @@ SWITCHES = (
     # (training.dry_run_world_size is not refused: a config file may preset what a dry run plans for.)
     ("training.dry_run", lambda c: c.training.dry_run, ("training.dry_run_report",), "--training.dry_run=true"),
     ("data.format", lambda c: c.data.format == "text", ("data.text_column",), "--data.format=text"),
+    ("data.streaming", lambda c: c.data.streaming, ("data.bad_rows", "data.stream_window"), "--data.streaming=true"),
 )
 
 

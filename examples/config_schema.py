@@ -53,7 +53,13 @@ class DataConfig:
     ``resume_mismatch``: a resume whose data differs from the checkpoint's (another dataset, seq_len,
     tokenizer, template, global batch size: the saved position would name other samples) is refused
     (``error``, before anything is built where the saved config tells) or restarts the data at the start
-    of the saved epoch with the model, optimizer and progress restored (``restart``)."""
+    of the saved epoch with the model, optimizer and progress restored (``restart``).
+    ``streaming``: read the dataset as a stream (``datasets`` streaming: hub id or local files; null = the
+    embedded corpus as a stream), tokenized or rendered as it is trained on, resumed from the stream's own
+    position without reading the trained records again (hyperacc.data.StreamingDataLoader); records are
+    shuffled within windows of ``stream_window`` records (the most a resume reads again). ``bad_rows``
+    (streaming): a record that cannot be made into samples stops the run naming its place in the stream
+    (``error``) or is skipped and counted (``skip``)."""
 
     dataset: Optional[str] = None
     format: Literal["text", "chat"] = "text"
@@ -69,8 +75,13 @@ class DataConfig:
     shuffle: bool = True
     eval_split: Optional[str] = None
     resume_mismatch: Literal["error", "restart"] = "error"
+    streaming: bool = False
+    bad_rows: Literal["error", "skip"] = "error"
+    stream_window: int = 1024
 
     def validate(self):
+        if self.stream_window < 1:
+            raise ConfigError(f"data.stream_window={self.stream_window} must be >= 1. Fix: --data.stream_window=1024")
         if self.seq_len < 1:
             raise ConfigError(f"data.seq_len={self.seq_len} must be >= 1. Fix: --data.seq_len=128")
         if self.num_proc < 1:

@@ -27,15 +27,16 @@ LINGER_S = 30.0
 
 # hyperacc class -> the example's section holding its fields (the sections *are* these dataclasses).
 SECTIONS = {"CheckpointConfig": "checkpoint", "FSDPConfig": "fsdp", "ParallelConfig": "parallel"}
-# MicroBatchDataLoader's constructor arguments -> the flags the example builds it from.
-LOADER_FLAGS = {"resume_mismatch": "data.resume_mismatch", "shuffle": "data.shuffle",
+# MicroBatchDataLoader's / StreamingDataLoader's constructor arguments -> the flags the example builds it from.
+LOADER_FLAGS = {"resume_mismatch": "data.resume_mismatch", "shuffle": "data.shuffle", "bad_rows": "data.bad_rows",
+                "window": "data.stream_window",
                 "global_batch_size": "training.global_batch_size", "micro_batch_size": "training.micro_batch_size",
                 "seed": "training.seed"}
 _VALUE = r"""(?:=('[^']*'|"[^"]*"|[^\s,;)]+))?"""
-_FIELD = re.compile(r"\b(CheckpointConfig|FSDPConfig|ParallelConfig|MicroBatchDataLoader)\.(\w+)" + _VALUE)
+_FIELD = re.compile(r"\b(CheckpointConfig|FSDPConfig|ParallelConfig|MicroBatchDataLoader|StreamingDataLoader)\.(\w+)" + _VALUE)
 _LOAD_STATE = re.compile(r"""(?<![.\w])load_state\(('[^']*'|"[^"]*")\)""")    # hyperacc's, not accelerator.load_state
 # hyperacc.data's keyword arguments (build_chat_dataset, prepare_chat_tokenizer, chat_collate) -> --data.* flags.
-_DATA_KEYWORD = re.compile(r"(?<![\w.\-])(chat_template|messages_column|seq_len|dataset)=('[^']*'|\"[^\"]*\"|[^\s,;)]+)")
+_DATA_KEYWORD = re.compile(r"(?<![\w.\-])(chat_template|messages_column|seq_len|dataset|bad_rows)=('[^']*'|\"[^\"]*\"|[^\s,;)]+)")
 _DATA_CALLS = ((re.compile(r"chat_collate\(tokenizer, packing=False\)"), "--data.packing=false"),
                (re.compile(r"\(build_text_dataset\)"), "(--data.format=text)"),
                (re.compile(r"\((?:build_train_dataset|build_chat_dataset)\((dataset=PATH)\)\)"), r"(\1)"))
@@ -56,7 +57,7 @@ def as_flags(text: str) -> str:
     """``text`` with hyperacc's API names replaced by the example's flags (unknown names left as they are)."""
     def field(match):
         cls, name, value = match.groups()
-        flag = LOADER_FLAGS.get(name) if cls == "MicroBatchDataLoader" else f"{SECTIONS[cls]}.{name}"
+        flag = LOADER_FLAGS.get(name) if cls.endswith("DataLoader") else f"{SECTIONS[cls]}.{name}"
         if flag is None:
             return match.group(0)
         end = ""

@@ -100,6 +100,7 @@ def preflight(cfg, world_size):
         collect(check_output_path, ck.checkpoint_dir, "--checkpoint.checkpoint_dir", directory=True)
     collect(check_dataset_path, cfg.data.dataset)
     collect(check_embedded_splits, cfg)
+    collect(check_stream_source, cfg)
     resumed = collect(check_checkpoint_start, cfg)      # the checkpoint a resume restores, or None
     collect(lambda: check_optimizer(optimizer_config(cfg), recipe=get_recipe(cfg.fsdp.precision)))
     collect(check_parallel, cfg, world_size)
@@ -173,6 +174,23 @@ def check_embedded_splits(cfg):
                               f"splits train and validation only. Fix: --{flag}=" +
                               ("train" if flag == "data.split" else "validation") + ", or --data.dataset=<a dataset "
                               "with that split>.")
+
+
+def check_stream_source(cfg):
+    """``data.streaming`` reads what ``datasets`` streams; a Megatron prefix is memory-mapped already, and a
+    stream has no held-out tail to evaluate on unless the source has the split."""
+    from hyperacc.data.text import is_megatron_spec
+
+    d = cfg.data
+    if not d.streaming:
+        return
+    if d.dataset not in (None, "default") and is_megatron_spec(d.dataset):
+        raise ConfigError(f"data.streaming=true with data.dataset={d.dataset!r}, a Megatron prefix: its tokens are "
+                          "memory-mapped, not loaded ahead, so there is nothing to stream. Fix: --data.streaming=false.")
+    if cfg.eval.eval_steps > 0 and d.dataset not in (None, "default") and d.eval_split is None:
+        raise ConfigError(f"data.streaming=true with evaluation on: a stream of {d.dataset!r} has no held-out tail "
+                          "(the map-style pipeline carves one from train). Fix: --data.eval_split=<a split the "
+                          "dataset has, e.g. validation>, or --eval.eval_steps=0.")
 
 
 def _model_config_or_error(cfg, vocab_size):

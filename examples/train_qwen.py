@@ -67,8 +67,9 @@ def load_config(argv):
 
 
 def build_data(cfg, acc, tokenizer):
-    """(train dataset, held-out dataset or None, collate_fn) via hyperacc.data.text or, for chat data,
-    hyperacc.data.chat_dataset (padded or packed micro-batches).
+    """(train dataset, held-out dataset or None, collate_fn, transform) via hyperacc.data.text or, for chat
+    data, hyperacc.data.chat_dataset (padded or packed micro-batches). ``data.streaming``: the train data is
+    a stream (hyperacc.data.stream_sources) and ``transform`` makes its records into samples as they are read.
 
     Rank 0 tokenizes and fills the cache first, then the others read it. A failure on any rank
     (a hub dataset not in the cache, an unreadable file ...) is every rank's ConfigError.
@@ -91,9 +92,19 @@ def build_data(cfg, acc, tokenizer):
                                    text_column=d.text_column, num_proc=d.num_proc)[0]
 
     def build():
-        train_ds = dataset(d.split)
+        transform = None
+        if d.streaming:
+            from hyperacc.data import ChatRecords, TextWindows
+            from hyperacc.data.stream_sources import open_stream
+
+            train_ds = open_stream(d.dataset, kind=d.format, name=d.name, split=d.split)
+            transform = (ChatRecords(tokenizer, d.seq_len, messages_column=d.messages_column) if d.format == "chat"
+                         else TextWindows(tokenizer, d.seq_len, text_column=d.text_column))
+        else:
+            train_ds = dataset(d.split)
         eval_ds = dataset(d.eval_split or "validation") if cfg.eval.eval_steps else None
-        return train_ds, eval_ds, chat_collate(tokenizer, packing=d.packing) if d.format == "chat" else None
+        collate = chat_collate(tokenizer, packing=d.packing) if d.format == "chat" else None
+        return train_ds, eval_ds, collate, transform
 
     result = None
     for turn in ("first", "rest"):           # rank 0's turn, then everyone else's
@@ -150,7 +161,7 @@ def run_job(cfg, tokenizer, acc):
 
     # Data, model, optimizer, schedule.
     heartbeat.phase = "building the data"
-    train_ds, eval_ds, collate = build_data(cfg, acc, tokenizer)
+    train_ds, eval_ds, collate, transform = build_data(cfg, acc, tokenizer)
     heartbeat.phase = "prepare"
     model = build_model(cfg, vocab_size=len(tokenizer), accelerator=acc)
     if cfg.peft.method != "none":
@@ -161,10 +172,11 @@ def run_job(cfg, tokenizer, acc):
                   f"({100 * trainable / max(total, 1):.2f} %)")
     optimizer = optimizer_config(cfg).build(param_groups(model, cfg.optimizer.get("weight_decay", 0.0)))
     scheduler = lr_lambda_scheduler(optimizer, cfg.lr_scheduler, cfg.lr_scheduler.total_steps or t.max_steps)
-    loader = hyperacc.MicroBatchDataLoader(train_ds, global_batch_size=t.global_batch_size,
-                                           micro_batch_size=t.micro_batch_size, shuffle=cfg.data.shuffle,
-                                           seed=t.seed, collate_fn=collate,
-                                           resume_mismatch=cfg.data.resume_mismatch)
+    batches = dict(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, collate_fn=collate,
+                   shuffle=cfg.data.shuffle, seed=t.seed, resume_mismatch=cfg.data.resume_mismatch)
+    loader = (hyperacc.StreamingDataLoader(train_ds, transform=transform, window=cfg.data.stream_window,
+                                           bad_rows=cfg.data.bad_rows, **batches) if cfg.data.streaming
+              else hyperacc.MicroBatchDataLoader(train_ds, **batches))
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     model.train()
     heartbeat.phase = "load_state"
@@ -231,7 +243,8 @@ def run_job(cfg, tokenizer, acc):
 
         checks.verify()                            # the steps since the last check
         if step < t.max_steps:
-            acc.print(f"the data ran out after training.epochs={t.epochs} epoch(s) of {len(loader)} steps: "
+            per_epoch = "" if cfg.data.streaming else f" of {len(loader)} steps"
+            acc.print(f"the data ran out after training.epochs={t.epochs} epoch(s){per_epoch}: "
                       f"stopped at step {step} < training.max_steps={t.max_steps}")
         if eval_every and step % eval_every != 0:
             run_eval(step)                         # the final evaluation
