@@ -267,7 +267,8 @@ def run_job(cfg, tokenizer, acc):
 
 def main(argv=None):
     from hyperacc.errors import (CheckpointDirInUse, CheckpointDirLocked, CheckpointDirNotShared, CollectiveTimeout,
-                                 DataResumeMismatch, NonFiniteError, ReplicaMismatchError, TokenIdError)
+                                 DataResumeMismatch, NonFiniteError, ReplicaMismatchError, StreamRowError,
+                                 TokenIdError)
 
     try:
         cfg, world = load_config(sys.argv[1:] if argv is None else argv)
@@ -276,7 +277,8 @@ def main(argv=None):
         tokenizer = preflight(cfg, world)
         return train(cfg, tokenizer)
     except (ConfigError, CheckpointDirLocked, CheckpointDirNotShared, CheckpointDirInUse,
-            DataResumeMismatch) as err:      # the last: a data change preflight could not see (resume_checks.py)
+            DataResumeMismatch, StreamRowError) as err:   # the last two: data preflight cannot see (a file changed
+        # in place: resume_checks.py; a malformed record mid-stream: --data.bad_rows)
         exit_with("config error", err, 2)
     except (NonFiniteError, TokenIdError, ReplicaMismatchError) as err:
         exit_with("error", err, 3)

@@ -231,7 +231,8 @@ class StreamingDataLoader:
                     else:
                         where = self._position_name(here, order[index], chunk[order[index]])
                         raise StreamRowError(f"{where} cannot be made into "
-                                             f"samples: {type(err).__name__}: {err}. Fix: correct or remove the row, or "
+                                             f"samples: {type(err).__name__}: {str(err).rstrip('.')}. Fix: correct or "
+                                             "remove the row, or "
                                              "pass bad_rows='skip' to skip and count such rows") from None
                 for k in range(used, len(samples)):
                     if k + 1 < len(samples):

@@ -1,0 +1,91 @@
+"""The example on a stream: ``--data.streaming=true`` under ``accelerate launch`` (2 processes, FSDP2).
+
+One launch trains chat records streamed from a local JSONL (the hub stands in as a local file), packed,
+saving at step 3; a second resumes that checkpoint and must log steps 4-6 bitwise as the first did. Beside
+it, a stream with a malformed record stops with one config-error line naming the record and the flag that
+skips such rows. The preflight refusals run in-process.
+"""
+import json
+
+import pytest
+
+from dist_utils import REPO, run_accelerate, run_together
+from example_utils import config_error, load_example
+
+SCRIPT = REPO / "examples" / "train_qwen.py"
+CPU2 = REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
+
+
+def records(n):
+    words = "shard gather reduce scatter rank mesh step token".split()
+    out = []
+    for i in range(n):
+        q = " ".join(words[(i + k) % len(words)] for k in range(2 + i % 5))
+        a = " ".join(words[(i * 3 + k) % len(words)] for k in range(3 + i % 7))
+        out.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+    return out
+
+
+def metrics(path):
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "step" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, hyperacc_cache):
+    root = tmp_path_factory.mktemp("stream_example")
+    data, bad = root / "chat.jsonl", root / "bad.jsonl"
+    rows = records(40)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows[9] = {"messages": "not a list"}
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--logging.progress_bar=false", "--eval.eval_steps=0", "--data.format=chat", "--data.packing=true",
+              "--data.streaming=true", "--data.stream_window=16", "--data.seq_len=64", "--training.max_steps=6",
+              "--training.global_batch_size=4", "--training.micro_batch_size=1", "--logging.logging_steps=1"]
+    env = {"HYPERACC_CACHE": hyperacc_cache}
+    first = run_accelerate(SCRIPT, CPU2, [*common, f"--data.dataset={data}", "--checkpoint.save_ckpt=true",
+                                          "--checkpoint.save_steps=3", f"--checkpoint.checkpoint_dir={root / 'ckpt'}",
+                                          f"--logging.metrics_file={root / 'first.jsonl'}"], env=env, timeout=400)
+    resumed, refused = run_together(
+        lambda: run_accelerate(SCRIPT, CPU2, [*common, f"--data.dataset={data}",
+                                              f"--checkpoint.restore_from={root / 'ckpt' / 'global_step_3'}",
+                                              f"--logging.metrics_file={root / 'resumed.jsonl'}"], env=env, timeout=400),
+        lambda: run_accelerate(SCRIPT, CPU2, [*common, f"--data.dataset={bad}"], env=env, timeout=400, check=False))
+    return {"root": root, "first": first, "resumed": resumed, "refused": refused}
+
+
+def test_a_streamed_chat_run_resumes_bitwise_under_accelerate(runs):
+    first, resumed = metrics(runs["root"] / "first.jsonl"), metrics(runs["root"] / "resumed.jsonl")
+    assert sorted(first) == [1, 2, 3, 4, 5, 6]
+    assert sorted(resumed) == [4, 5, 6]
+    assert resumed == {step: first[step] for step in (4, 5, 6)}
+    assert "resumed at step 3" in runs["resumed"].stdout
+
+
+def test_a_bad_row_is_one_line_naming_its_place_and_the_flag(runs):
+    proc = runs["refused"]
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "config error" in line]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "record 9 of epoch 0 of the stream" in lines[0] and "--data.bad_rows=skip" in lines[0], lines[0]
+    worker_part = proc.stderr.split("ChildFailedError")[0]      # the launcher's own traceback is torchrun's
+    assert "train_qwen.py\", line" not in worker_part and "/hyperacc/" not in worker_part, worker_part[-3000:]
+
+
+@pytest.fixture(scope="module")
+def example():
+    return load_example("train_qwen_streaming")
+
+
+def test_preflight_refusals(example, tmp_path):
+    (tmp_path / "tokens.bin").write_bytes(b"")
+    (tmp_path / "tokens.idx").write_bytes(b"")
+    message = config_error(example, ["--data.streaming=true", f"--data.dataset={tmp_path / 'tokens'}"], preflight=True)
+    assert "Megatron prefix" in message and "--data.streaming=false" in message
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "a b c"}) + "\n")
+    message = config_error(example, ["--data.streaming=true", f"--data.dataset={tmp_path / 'd.jsonl'}",
+                                     "--eval.eval_steps=5"], preflight=True)
+    assert "no held-out tail" in message and "--data.eval_split=" in message
+    message = config_error(example, ["--data.bad_rows=skip"])
+    assert "data.streaming" in message
+    message = config_error(example, ["--data.streaming=true", "--data.stream_window=0"])
+    assert "--data.stream_window=1024" in message
