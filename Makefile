@@ -24,11 +24,15 @@ demo: $(STAMP)
 lint: $(STAMP)   # the layers contract (.importlinter): a module imports only its own layer or a lower one
 	$(VENV)/bin/lint-imports --no-cache
 
+# Files on 2 pytest-xdist workers (TEST_WORKERS=0: one process); a file's tests stay on one worker.
+TEST_WORKERS ?= 2
+PYTEST = HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: $(STAMP) lint
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests
+	$(PYTEST) tests
 
 test-all: $(STAMP) lint   # also the slow set: every layout and resume case (~2x longer)
-	HF_HUB_OFFLINE=1 HYPERACC_SLOW_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider tests
+	HYPERACC_SLOW_TESTS=1 $(PYTEST) tests
 
 bench: $(STAMP)
 	for b in overhead dataloader checkpoint data train accelerate_compat parallel weights context_parallel memory_plan precision replica_guard peft compile trainer sft_data iterable preflight architecture step_hooks libraries_weights libraries_data; do $(PY) benchmarks/$$b.py || exit 1; done

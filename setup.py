@@ -26,7 +26,7 @@ setup(
     ],
     extras_require={
         # the docs extra too: tests/test_docs.py builds the site with --strict, so CI (make test) does
-        "test": ["pytest>=7", "megatron-core==0.16.1", "peft>=0.21,<0.22", "trl>=1.16,<1.17", "import-linter>=2.1",
+        "test": ["pytest>=7", "pytest-xdist>=3", "torchdata>=0.8", "megatron-core==0.16.1", "peft>=0.21,<0.22", "trl>=1.16,<1.17", "import-linter>=2.1",
                  "mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10"],
         "peft": ["peft>=0.21"],
         "trl": ["trl>=1.16"],
