@@ -48,7 +48,8 @@ SWITCH_ON = {"fsdp.compile": ["--fsdp.compile=true", "--fsdp.compile_backend=aot
              "checkpoint.restore_from": ["--checkpoint.restore_from=LATEST"],
              "eval.eval_steps": [], "lr_scheduler.decay": [],          # on in the tiny YAML
              "data.format": [], "data.dataset": ["--data.dataset=@DATA"],
-             "training.dry_run": ["--training.dry_run=true", "--training.dry_run_world_size=1"]}
+             "training.dry_run": ["--training.dry_run=true", "--training.dry_run_world_size=1"],
+             "data.streaming": ["--data.streaming=true"]}
 NEEDS = {"data.messages_column": ["--data.format=chat", "--data.dataset=@DATA"],
          "data.chat_template": ["--data.format=chat"], "data.packing": ["--data.format=chat"],
          "data.text_column": ["--data.dataset=@DATA"], "data.name": ["--data.dataset=@DATA"]}
