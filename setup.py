@@ -27,9 +27,11 @@ setup(
     extras_require={
         # the docs extra too: tests/test_docs.py builds the site with --strict, so CI (make test) does
         "test": ["pytest>=7", "megatron-core==0.16.1", "peft>=0.21,<0.22", "trl>=1.16,<1.17", "import-linter>=2.1",
+                 "torchdata>=0.8",
                  "mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10"],
         "peft": ["peft>=0.21"],
         "trl": ["trl>=1.16"],
+        "streaming": ["torchdata>=0.8"],    # accelerate's use_stateful_dataloader (map-style positions)
         "npu": ["torch-npu"],
         "tensorboard": ["tensorboard"],
         "plot": ["matplotlib"],
