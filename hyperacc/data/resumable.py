@@ -101,10 +101,11 @@ class ResumableLoader:
             self.base_loader.skip_batches = previous_skip
 
     def _warn_replay(self, batches: int, epoch: int) -> None:
-        why = self._no_position or "the checkpoint holds no position of the stream (saved where it kept none)"
+        why = self._no_position or ("the checkpoint holds no position of the stream (saved before hyperacc kept "
+                                    "one, or where it could not): checkpoints saved from now on resume without it")
         if stream_position.is_main():
             warnings.warn(f"Resuming the stream by reading again the {batches} batches already trained in epoch "
-                          f"{epoch}: {why}. The stream then resumes from its own position, reading nothing again.")
+                          f"{epoch}, because {why}.")
 
     def _random_state(self) -> dict:
         """What decides an epoch's order: the sampler's generator and the global torch RNG (a

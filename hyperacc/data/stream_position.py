@@ -122,6 +122,10 @@ def attach(loader, global_batch: Optional[int]) -> tuple:
         shard.dataset = tracker
     else:
         object.__setattr__(base, "dataset", tracker)    # torch's DataLoader refuses a plain set after __init__
+    if getattr(base, "_initial_iter_for_state_dict", False):
+        # torchdata's StatefulDataLoader made an iterator over the bare source for accelerate's first
+        # state_dict() and would hand it to the first pass: a new one reads through the tracker.
+        base._iterator, base._initial_iter_for_state_dict = None, False
     return tracker, None
 
 
