@@ -30,6 +30,7 @@ setup(
                  "mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings-python>=1.10"],
         "peft": ["peft>=0.21"],
         "trl": ["trl>=1.16"],
+        "streaming": ["torchdata>=0.8"],    # accelerate's use_stateful_dataloader (map-style positions)
         "npu": ["torch-npu"],
         "tensorboard": ["tensorboard"],
         "plot": ["matplotlib"],

@@ -11,11 +11,15 @@ sees exactly the batches an uninterrupted one would.
 Iterable datasets (a torch `IterableDataset` without `__len__`, a streaming `datasets` dataset) go
 through accelerate's own sharding too (`IterableDatasetShard`, or `DataLoaderDispatcher` when
 batches are dispatched). A stream has no random access: its position is resumed by *replaying* it —
+by the stream's own position when it keeps one (`datasets`' streaming ``IterableDataset``, any
+dataset with ``state_dict()``/``load_state_dict()``): `hyperacc.data.stream_position` notes it after
+every global batch read, the checkpoint stores the note of the batches trained, and the resumed
+source continues with the next record — nothing is read again. Otherwise the stream is *replayed*:
 the next iteration reads the batches already trained on again and drops them (accelerate's
 `skip_first_batches` does the same), with the epoch number and the torch RNG of the epoch's start
-restored first. That is exact for a stream that yields the same samples when read again for the
-same epoch (files, `datasets` streams shuffled with a seed and `set_epoch`, randomness drawn from
-torch's RNG); its cost grows with the position.
+restored first, and one warning names why and how to avoid it. Replay is exact for a stream that
+yields the same samples when read again for the same epoch (files, `datasets` streams shuffled with
+a seed and `set_epoch`, randomness drawn from torch's RNG); its cost grows with the position.
 
 Scripts written for accelerate skip batches themselves after `load_state`
 (`accelerator.skip_first_batches(loader, n)`). When such a call follows a restore, the explicit
@@ -29,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from hyperacc.data import stream_position
+
 
 class ResumableLoader:
     """Proxy around accelerate's `DataLoaderShard` / `DataLoaderDispatcher` (all attributes pass through)."""
@@ -41,6 +47,9 @@ class ResumableLoader:
         self._batches_in_epoch = 0
         self._epoch_start: Optional[dict] = None   # random state when the current epoch began
         self._pending: Optional[dict] = None   # restored position, applied by the next __iter__
+        self._tracker, self._no_position = None, None   # a stream's own position (stream_position)
+        if self._length() is None:
+            self._tracker, self._no_position = stream_position.attach(loader, self._stream_batch())
 
     # ------------------------------------------------------------------ iteration
     @property
@@ -69,6 +78,12 @@ class ResumableLoader:
         self._epoch_start = replay.get("random_state") if replay is not None else self._random_state()
         skip = int(replay["batches"]) if replay is not None else 0
         self._batches_in_epoch = skip
+        if skip and self._length() is None:
+            if self._tracker is not None and replay.get("stream") is not None:
+                self._tracker.source.load_state_dict(replay["stream"])    # continues after the batches trained
+                self._tracker.first, skip, replay = skip, 0, None
+            else:
+                self._warn_replay(skip, int(replay["epoch"]))
         previous_skip = getattr(self.base_loader, "skip_batches", 0)
         self.base_loader.skip_batches = skip
         try:
@@ -84,6 +99,13 @@ class ResumableLoader:
             self._epoch_start = None
         finally:
             self.base_loader.skip_batches = previous_skip
+
+    def _warn_replay(self, batches: int, epoch: int) -> None:
+        why = self._no_position or ("the checkpoint holds no position of the stream (saved before hyperacc kept "
+                                    "one, or where it could not): checkpoints saved from now on resume without it")
+        if stream_position.is_main():
+            warnings.warn(f"Resuming the stream by reading again the {batches} batches already trained in epoch "
+                          f"{epoch}, because {why}.")
 
     def _random_state(self) -> dict:
         """What decides an epoch's order: the sampler's generator and the global torch RNG (a
@@ -126,8 +148,8 @@ class ResumableLoader:
         return bool(getattr(self.base_loader, "use_stateful_dataloader", False))
 
     def state_dict(self) -> dict:
-        if self._stateful():
-            return {"stateful": self.base_loader.state_dict()}
+        if self._stateful() and self._length() is not None:
+            return {"stateful": self.base_loader.state_dict()}    # a stream's position is this loader's own
         start = self._epoch_start if self._epoch_start is not None else self._random_state()
         length = self._length()
         state = {"epoch": self.epoch, "batches": self._batches_in_epoch, "random_state": start,
@@ -136,6 +158,10 @@ class ResumableLoader:
             # A stream's last batch is known only once it was read: accelerate flags it before yielding it.
             state["at_end"] = bool(self._batches_in_epoch and getattr(self.base_loader, "end_of_dataloader", False))
             state["split"] = self._stream_split()
+            if self._tracker is not None:
+                batches = self._batches_in_epoch if not state["at_end"] else 0
+                state["stream"] = stream_position.shared_note(
+                    self.base_loader, self._tracker.note(batches) if batches else None)
         return state
 
     def _global_batch(self) -> Optional[int]:

@@ -15,7 +15,8 @@ nothing else of the training loop:
   ``resume_from_checkpoint=True`` means LATEST; a path may be a checkpoint or the checkpoint root.
   Model, optimizer, scheduler, RNG, progress and the data position come back from the buckets; the
   loader continues where it stood (no batch is skipped by re-reading; a stream — an iterable dataset,
-  `datasets` with ``streaming=True`` — has no random access and is replayed: `hyperacc.data.resumable`).
+  `datasets` with ``streaming=True`` — continues from its own saved position, or is replayed where it
+  keeps none: `hyperacc.data.stream_position`).
 - **Loss**: `Trainer`'s ``num_items_in_batch`` arithmetic is already the token mean over micro-batches
   and ranks when every data-parallel rank reads different data; under tensor parallelism its peers read
   the same batch, so the Trainer's "tp size" is hyperacc's (`get_tp_size`).
@@ -237,9 +238,9 @@ class HyperaccTrainerMixin:
     def _data_position(self, loader, epoch: int, batches: int) -> tuple:
         """(epoch, batches done in it) the resumed run continues from: the Trainer's own count, checked
         against the loader's restored position; for a stream in a later pass, the loader's."""
-        if getattr(loader, "use_stateful_dataloader", False):
-            return epoch, batches   # torchdata's StatefulDataLoader restored its own position (accelerator_config)
         position = loader.restored_position() if hasattr(loader, "restored_position") else None
+        if position is None and getattr(loader, "use_stateful_dataloader", False):
+            return epoch, batches   # map-style data: torchdata's StatefulDataLoader restored its own position
         if position is None:
             raise RuntimeError("the checkpoint restored no data position for the train DataLoader (saved with "
                                "save_only_model=True?): hyperacc does not resume by skipping batches. Resume a "
