@@ -10,8 +10,8 @@ sees exactly the batches an uninterrupted one would.
 
 Iterable datasets (a torch `IterableDataset` without `__len__`, a streaming `datasets` dataset) go
 through accelerate's own sharding too (`IterableDatasetShard`, or `DataLoaderDispatcher` when
-batches are dispatched). A stream has no random access: its position is resumed by *replaying* it —
-by the stream's own position when it keeps one (`datasets`' streaming ``IterableDataset``, any
+batches are dispatched). A stream has no random access, so its position is resumed by the stream's
+own position when it keeps one (`datasets`' streaming ``IterableDataset``, any
 dataset with ``state_dict()``/``load_state_dict()``): `hyperacc.data.stream_position` notes it after
 every global batch read, the checkpoint stores the note of the batches trained, and the resumed
 source continues with the next record — nothing is read again. Otherwise the stream is *replayed*:
