@@ -72,7 +72,8 @@ def write_corpus(path: str, docs: int, words: int) -> None:
 
 
 def index_stream(n: int):
-    """A torch IterableDataset of ``n`` records with its own position (O(1) seek: record i computed from i)."""
+    """A torch IterableDataset of ``n`` records (``record(i)`` as tensors) with its own position (O(1) seek:
+    record i computed from i)."""
     from torch.utils.data import IterableDataset
 
     class IndexStream(IterableDataset):
@@ -80,10 +81,12 @@ def index_stream(n: int):
             self._next = 0
 
         def __iter__(self):
+            import torch
+
             while self._next < n:
                 i = self._next
                 self._next = i + 1          # before the yield: state_dict() is the position after this record
-                yield record(i)
+                yield {"index": torch.tensor(i), "input_ids": torch.arange(i, i + ROW) % 50000}
 
         def state_dict(self):
             return {"index": self._next}
@@ -111,8 +114,8 @@ def shard_stream(shards: int):
 class Unpositioned:
     """The same records without state_dict()/load_state_dict(): what a resume costs without a position."""
 
-    def __init__(self, source):
-        self.source, self.start = source, copy.deepcopy(source.state_dict())
+    def __init__(self, source, start):
+        self.source, self.start = source, copy.deepcopy(start)
 
     def __iter__(self):
         self.source.load_state_dict(copy.deepcopy(self.start))
@@ -209,7 +212,7 @@ def part_resume(args) -> dict:
                 if rep:
                     times[position].append(seconds)
         # contrast: a source without a position (the loader replays the records before the window)
-        plain = Unpositioned(source)
+        plain = Unpositioned(source, template)
         replay_state = built_state(make_loader(plain), kind, template, replay_w, off, positioned=False)
         import warnings
 
@@ -382,6 +385,10 @@ def rss_worker(kind: str, n: int, data: str) -> None:
         source = datasets.load_dataset("json", data_files=data, split="train", streaming=True)
         loader = StreamingDataLoader(source, global_batch_size=G, micro_batch_size=MB,
                                      transform=TextWindows(load_tokenizer("default"), 64))
+    elif kind == "read":
+        import datasets
+
+        loader = datasets.load_dataset("json", data_files=data, split="train", streaming=True)
     else:
         loader = StreamingDataLoader(index_stream(n), global_batch_size=64, micro_batch_size=64, window=WINDOW)
     gc.collect()
@@ -394,13 +401,15 @@ def rss_worker(kind: str, n: int, data: str) -> None:
             sampled.append(rss.status("VmRSS"))
 
     sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    if not exact:
+        sampler.start()
     t0, steps = time.perf_counter(), 0
     for _ in loader:
         steps += 1
     seconds = time.perf_counter() - t0
     done.set()
-    sampler.join()
+    if not exact:
+        sampler.join()
     peak = rss.peak() if exact else max(sampled)
     print(json.dumps({"start": start_rss, "peak": peak, "exact": exact, "steps": steps, "seconds": seconds}))
 
@@ -426,6 +435,7 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=200, help="part 2: words per document (mean)")
     parser.add_argument("--rss-small", type=int, default=10_000, help="part 3: records of the small streams")
     parser.add_argument("--rss-text-records", type=int, default=100_000, help="part 3: JSONL+TextWindows, big")
+    parser.add_argument("--rss-read-records", type=int, default=1_000_000, help="part 3: JSONL read alone, big")
     parser.add_argument("--rss-gen-records", type=int, default=1_000_000, help="part 3: generated stream, big")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip (1,2,3)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -476,7 +486,8 @@ def main() -> None:
                   f"documents (~{args.words} words); {args.rounds} timed rounds of {args.steps} steps per side "
                   f"after a warm-up round, ABBA; step = fetch + train, slowest rank ({launch_s:.0f} s launch):")
             print(f"   both sides train on the same samples (first step compared): {tr['same_samples']}")
-            print(f"   map-style  MicroBatchDataLoader(build_text_dataset)   {m:8.0f} tokens/s  (rounds {runs('map')}); "
+            print(f"   map-style  MicroBatchDataLoader(build_text_dataset)   {m:8.0f} tokens/s  (rounds {runs('map')});"
+                  " "
                   f"fetch {1e3 * statistics.median(tr['map_fetch']):.2f} ms/step")
             print(f"   streaming  StreamingDataLoader(json stream, TextWindows) {s:6.0f} tokens/s  "
                   f"(rounds {runs('stream')}); fetch {1e3 * statistics.median(tr['stream_fetch']):.2f} ms/step")
@@ -487,26 +498,41 @@ def main() -> None:
                   f"{brk['map_ms']:.2f} ms", flush=True)
             ratios.append(f"tokens/s streaming / map-style                    = {s / m:.3f}   (goal >= 0.9)")
         if "3" not in skip:
-            results = {}
-            for kind, big in (("text", args.rss_text_records), ("gen", args.rss_gen_records)):
+            results, files = {}, {}
+            cases = (("text", args.rss_text_records), ("read", args.rss_read_records), ("gen", args.rss_gen_records))
+            for n in sorted({args.rss_small, args.rss_text_records, args.rss_read_records}):
+                files[n] = os.path.join(tmp, f"rss_{n}.jsonl")
+                write_corpus(files[n], n, 12)
+            mid = args.rss_read_records // 3                 # a file above datasets' 10 MiB JSON block
+            files[mid] = os.path.join(tmp, f"rss_{mid}.jsonl")
+            write_corpus(files[mid], mid, 12)
+            results["read", mid] = run_rss("read", mid, files[mid], env)
+            for kind, big in cases:
                 for n in (args.rss_small, big):
-                    data = os.path.join(tmp, f"rss_{n}.jsonl")
-                    if kind == "text":
-                        write_corpus(data, n, 12)
-                    results[kind, n] = run_rss(kind, n, data, env)
-                    if kind == "text":
-                        os.remove(data)
-            print("3. peak RSS above the RSS once the loader is built (fresh process each, whole stream iterated, "
-                  f"no model; {'VmHWM reset' if results['gen', args.rss_small]['exact'] else 'RSS sampled every 5 ms'}):")
-            labels = {"text": "JSONL stream (~12 words/record) + TextWindows(64)", "gen": "generated torch stream"}
-            for kind, big in (("text", args.rss_text_records), ("gen", args.rss_gen_records)):
+                    results[kind, n] = run_rss(kind, n, files.get(n, ""), env)
+            exact = results["gen", args.rss_small]["exact"]
+            print("3. peak RSS above the RSS once the stream is built (fresh process each, whole stream iterated, "
+                  f"no model; {'VmHWM reset there' if exact else 'RSS sampled every 5 ms'}):")
+            labels = {"text": "StreamingDataLoader: JSONL + TextWindows(64)",
+                      "read": "(datasets JSONL stream alone, no loader)",
+                      "gen": "StreamingDataLoader: generated torch stream"}
+            grow = lambda r: (r["peak"] - r["start"]) / 2 ** 20  # noqa: E731
+            for kind, big in cases:
                 a, b = results[kind, args.rss_small], results[kind, big]
-                grow = lambda r: (r["peak"] - r["start"]) / 2 ** 20  # noqa: E731
-                print(f"   {labels[kind]:50s} {args.rss_small:>9,} records: +{grow(a):6.1f} MiB ({a['seconds']:.1f} s)"
-                      f"   {big:>9,} records: +{grow(b):6.1f} MiB ({b['seconds']:.1f} s)   start "
-                      f"{a['start'] / 2 ** 20:.0f} / {b['start'] / 2 ** 20:.0f} MiB")
+                print(f"   {labels[kind]:45s} {args.rss_small:>9,} records: +{grow(a):6.1f} MiB ({a['seconds']:4.1f} s)"
+                      f"   {big:>9,}: +{grow(b):6.1f} MiB ({b['seconds']:4.1f} s)")
                 ratios.append(f"peak RSS growth {kind:4s} {big:.0e} / {args.rss_small:.0e} records     = "
                               f"{grow(b) / max(grow(a), 1e-9):.3f}   (goal ~1)")
+            a, b = results["read", mid], results["read", args.rss_read_records]
+            print(f"   {labels['read']:45s} {mid:>9,} records: +{grow(a):6.1f} MiB ({a['seconds']:4.1f} s)"
+                  f"   {args.rss_read_records:>9,}: +{grow(b):6.1f} MiB ({b['seconds']:4.1f} s)")
+            ratios.append(f"peak RSS growth read {args.rss_read_records:.0e} / {mid:.0e} records     = "
+                          f"{grow(b) / max(grow(a), 1e-9):.3f}   (both files above one 10 MiB JSON block)")
+            sizes = {n: os.path.getsize(f) / 2 ** 20 for n, f in files.items()}
+            listing = ", ".join(f"{n:,} records {mib:.1f} MiB" for n, mib in sorted(sizes.items()))
+            print("   JSONL file sizes: " + listing
+                  + "; datasets' JSON reader parses one block of up to 10 MiB (its chunksize) at a time: its peak "
+                  "grows with a file up to that block, then stays")
         print(f"ratios (whole run {time.perf_counter() - began:.0f} s):")
         for line in ratios:
             print("  " + line)
