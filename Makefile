@@ -35,7 +35,7 @@ test-all: $(STAMP) lint   # also the slow set: every layout and resume case (~2x
 	HYPERACC_SLOW_TESTS=1 $(PYTEST) tests
 
 bench: $(STAMP)
-	for b in overhead dataloader checkpoint data train accelerate_compat parallel weights context_parallel memory_plan precision replica_guard peft compile trainer sft_data iterable preflight architecture step_hooks libraries_weights libraries_data; do $(PY) benchmarks/$$b.py || exit 1; done
+	for b in overhead dataloader checkpoint data train accelerate_compat parallel weights context_parallel memory_plan precision replica_guard peft compile trainer sft_data iterable preflight architecture step_hooks libraries_weights libraries_data streaming; do $(PY) benchmarks/$$b.py || exit 1; done
 
 rehearse: $(STAMP)   # Qwen3-30B-A3B at true width (1 layer) on 8 CPU processes: EP 8 and FSDP 8, save + bitwise resume
 	HF_HUB_OFFLINE=1 $(PY) examples/rehearse_30b.py

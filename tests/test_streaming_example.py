@@ -48,7 +48,8 @@ def runs(tmp_path_factory, hyperacc_cache):
     resumed, refused = run_together(
         lambda: run_accelerate(SCRIPT, CPU2, [*common, f"--data.dataset={data}",
                                               f"--checkpoint.restore_from={root / 'ckpt' / 'global_step_3'}",
-                                              f"--logging.metrics_file={root / 'resumed.jsonl'}"], env=env, timeout=400),
+                                              f"--logging.metrics_file={root / 'resumed.jsonl'}"],
+                               env=env, timeout=400),
         lambda: run_accelerate(SCRIPT, CPU2, [*common, f"--data.dataset={bad}"], env=env, timeout=400, check=False))
     return {"root": root, "first": first, "resumed": resumed, "refused": refused}
 
