@@ -5,8 +5,8 @@ One module-scoped set of launches (tests/scripts/ckpt_train.py, 8 steps, 6 steps
   A  2 procs, uninterrupted, async saves every 2 steps + epoch end, extra state embedded in the
      DCP payload, HF export at the end; then, in the same launch (--then),
   C  2 procs, relaunched on B with restore_from="LATEST" (-> step 4), trains steps 5..8
-  D  1 proc  resumes A's step 4 (2 -> 1, embedded layout), restore only
-  E  4 procs resumes B's step 4 (2 -> 4), restore only
+  D  1 proc  resumes A's step 4 (2 -> 1, embedded layout), restore only (slow set)
+  E  4 procs resumes B's step 4 (2 -> 4), restore only (slow set)
 """
 import json
 import os
@@ -48,14 +48,17 @@ def runs(tmp_path_factory):
                             "--async-save", "--embedded", "--export", "final", "--dump-params", tmp / "a.pt",
                             "--then", tmp / "c", "--ckpt", B, "--steps", 8, "--save-steps", 2, "--restore", "LATEST",
                             "--dump-params", tmp / "c.pt")
-    res["d_proc"] = _launch(1, tmp / "d", "--ckpt", A, "--steps", 8, "--no-save", "--restore",
-                            os.path.join(A, "global_step_4"))
-    if SLOW:   # 2 -> 4 ranks; 2 -> 1 runs by default (and a node loss in tests/test_fault_tolerance.py)
+    if SLOW:   # 2 -> 1 and 2 -> 4 ranks. By default: a 2 -> 1 resume in tests/test_replicas.py
+        # (test_bf16_sr_does_not_depend_on_the_world_size_and_resumes_across_it) and tests/test_iterable_data.py,
+        # the embedded layout's round trip in tests/test_checkpoint.py::test_every_bucket_round_trips[False], a
+        # node loss in tests/test_fault_tolerance.py
+        res["d_proc"] = _launch(1, tmp / "d", "--ckpt", A, "--steps", 8, "--no-save", "--restore",
+                                os.path.join(A, "global_step_4"))
+        res["d"] = _records(tmp / "d", 1)
         res["e_proc"] = _launch(4, tmp / "e", "--ckpt", B, "--steps", 8, "--no-save", "--restore",
                                 os.path.join(B, "global_step_4"))
         res["e"] = _records(tmp / "e", 4)
     res["a"], res["c"] = _records(tmp / "a", 2), _records(tmp / "c", 2)
-    res["d"] = _records(tmp / "d", 1)
     return res
 
 
@@ -80,7 +83,8 @@ def test_sigkill_resume_is_bitwise_exact(runs):
     assert pa.keys() == pc.keys() and all(torch.equal(pa[k], pc[k]) for k in pa)
 
 
-@pytest.mark.parametrize("name,nproc", [("d", 1), pytest.param("e", 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name,nproc", [pytest.param("d", 1, marks=pytest.mark.slow),
+                                       pytest.param("e", 4, marks=pytest.mark.slow)])
 def test_resume_at_other_dp_size(runs, name, nproc):
     recs = runs[name]
     assert recs[0]["world"] == nproc and recs[0]["start_step"] == 4

@@ -127,6 +127,10 @@ def test_accelerate_launch_config_reaches_hyperacc():
     assert info["fsdp"]["reshard_after_forward"] is True and info["fsdp"]["mixed_precision"] is None
 
 
+# Slow set: the same layout/world check reached through an accelerate config file. By default:
+# test_dp_product_disagrees_with_world (in-process, ParallelConfig.resolved, where the launch fails) and
+# tests/test_compat.py::test_parallelism_config_maps_to_parallel_config (the config's sizes -> ParallelConfig).
+@pytest.mark.slow
 def test_hsdp_config_with_wrong_world_fails_fast():
     proc = run_accelerate(REPO / "tests" / "scripts" / "accelerate_env_probe.py",
                           REPO / "accelerate_configs" / "hsdp_2x4_npu.yaml", num_processes=2,

@@ -34,16 +34,19 @@ def _run(tmp, name, nproc, *args):
 HSDP_ARGS = ["--replicate", 2, "--steps", 20]                    # + --precision, --dump
 GUARD_ARGS = ["--precision", "bf16", "--steps", 12, "--guard-every", 2, "--perturb", 3]   # + the layout
 WORLD_ARGS = ["--precision", "bf16_sr", "--steps", 16]
+EP_STEPS = 4                      # the run under expert parallelism: "two" (same seed, data, lr) over its first steps
 
 
 @pytest.fixture(scope="module")
 def two_process_job(tmp_path_factory):
-    """bf16_sr HSDP replicas (dumped), the bf16_sr run that saves at step 8, and the guard on HSDP replicas."""
+    """bf16_sr HSDP replicas (dumped), the bf16_sr run that saves at step 8, the guard on HSDP replicas, and
+    the bf16_sr run under expert parallelism (ep 2)."""
     tmp = tmp_path_factory.mktemp("two_process_job")
     (tmp / "dump").mkdir()
     records = _runs(tmp, 2, {"hsdp": ["--precision", "bf16_sr", *HSDP_ARGS, "--dump", tmp / "dump"],
                              "two": [*WORLD_ARGS, "--save-steps", 8],
-                             "guard": [*GUARD_ARGS, "--replicate", 2]})
+                             "guard": [*GUARD_ARGS, "--replicate", 2],
+                             "ep": ["--precision", "bf16_sr", "--steps", EP_STEPS, "--ep", 2]})
     return tmp, records
 
 
@@ -136,3 +139,16 @@ def test_the_guard_refuses_a_nonsense_interval():
     for bad in (-1, 2.5, "10", True):
         with pytest.raises(ValueError, match="whole number of steps"):
             ReplicaGuard(object(), every=bad)
+
+
+def test_bf16_sr_under_expert_parallelism_agrees_with_its_run_without(two_process_job):
+    """bf16_sr under a model-parallel layout (ep 2): the same losses as the bf16_sr run without it, within 2e-3
+    (its rounding and bf16 sums follow the layout), stored in bf16. The default run's guarantee of
+    tests/test_feature_pairs.py::test_feature_pair[ep+bf16_sr] (the example's pair, in the slow set), in this
+    file's shared launch."""
+    _, records = two_process_job
+    ep, two = records["ep"], records["two"]
+    assert ep["param_dtypes"] == ep["state_dtypes"] == ["bfloat16"] and ep["stochastic_rounding"] is True
+    losses = _series(ep)
+    assert len(losses) == EP_STEPS and all(0 < x < 20 for x in losses), losses
+    assert max_rel(losses, _series(two)[:EP_STEPS]) <= 2e-3, (losses, _series(two))

@@ -130,8 +130,21 @@ def test_example_hub_id_to_hf_and_from_hf(models, tmp_path, monkeypatch):
     to_hf(str(step), str(tmp_path / "converted"), max_shard_bytes=150_000, progress=False)
     _same_safetensors(step / "hf", tmp_path / "converted")
     assert json.load(open(tmp_path / "converted" / "config.json"))["architectures"] == ["Qwen3MoeForCausalLM"]
-    # from-hf -> a run of the preset model restored from it: the first loss of the run that loaded the HF weights.
+    # from-hf of the hub id writes the HF weights bitwise: its model-only checkpoint converted back is the files
+    # (in-process; a run of the example restored from it is test_a_run_restored_from_from_hf_starts_at_the_hf_loss).
     from_hf(HUB_ID, str(tmp_path / "b"), progress=False)
+    to_hf(str(tmp_path / "b"), str(tmp_path / "back"), config_from=HUB_ID, progress=False)
+    _same_safetensors(models / "moe", tmp_path / "back")
+
+
+@pytest.mark.slow   # by default: test_example_hub_id_to_hf_and_from_hf (the hub id, to-hf, from-hf's weights bitwise)
+def test_a_run_restored_from_from_hf_starts_at_the_hf_loss(models, tmp_path):
+    """from-hf -> a run of the preset model restored from it: the first loss of the run that loaded the HF weights."""
+    from hyperacc.checkpoint.convert import from_hf
+
+    hub = {"HF_HUB_CACHE": str(models / "hub")}
+    _example([f"--model.name_or_path={HUB_ID}", f"--logging.metrics_file={tmp_path / 'a.jsonl'}"], env=hub)
+    from_hf(str(models / "moe"), str(tmp_path / "b"), progress=False)
     _example([f"--checkpoint.restore_from={tmp_path / 'b'}", f"--logging.metrics_file={tmp_path / 'b.jsonl'}"])
     assert _first_loss(tmp_path / "b.jsonl") == pytest.approx(_first_loss(tmp_path / "a.jsonl"), rel=1e-6, abs=0)
 
