@@ -38,25 +38,44 @@ def common_flags(root, records_file):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, hyperacc_cache):
+def first(tmp_path_factory, hyperacc_cache):
+    """One launch: 6 steps on the streamed chat records, packed, saving at step 3 (and 6)."""
     root = tmp_path_factory.mktemp("stream_example")
     data = root / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records(40)))
     common, env = common_flags(root, data), {"HYPERACC_CACHE": hyperacc_cache}
-    first = run_accelerate(SCRIPT, CPU2, [*common, "--checkpoint.save_ckpt=true", "--checkpoint.save_steps=3",
-                                          f"--checkpoint.checkpoint_dir={root / 'ckpt'}",
-                                          f"--logging.metrics_file={root / 'first.jsonl'}"], env=env, timeout=400)
-    resumed = run_accelerate(SCRIPT, CPU2, [*common, f"--checkpoint.restore_from={root / 'ckpt' / 'global_step_3'}",
-                                            f"--logging.metrics_file={root / 'resumed.jsonl'}"], env=env, timeout=400)
-    return {"root": root, "first": first, "resumed": resumed}
+    proc = run_accelerate(SCRIPT, CPU2, [*common, "--checkpoint.save_ckpt=true", "--checkpoint.save_steps=3",
+                                         f"--checkpoint.checkpoint_dir={root / 'ckpt'}",
+                                         f"--logging.metrics_file={root / 'first.jsonl'}"], env=env, timeout=400)
+    return {"root": root, "common": common, "env": env, "proc": proc}
 
 
-def test_a_streamed_chat_run_resumes_bitwise_under_accelerate(runs):
-    first, resumed = metrics(runs["root"] / "first.jsonl"), metrics(runs["root"] / "resumed.jsonl")
-    assert sorted(first) == [1, 2, 3, 4, 5, 6]
-    assert sorted(resumed) == [4, 5, 6]
-    assert resumed == {step: first[step] for step in (4, 5, 6)}
-    assert "resumed at step 3" in runs["resumed"].stdout
+def test_a_streamed_chat_run_trains_and_saves_the_stream_position(first):
+    """The example on a stream under accelerate launch: 6 steps, and its checkpoint's loader state is the
+    stream's (StreamingDataLoader's position, not a map-style step)."""
+    import torch
+
+    assert sorted(metrics(first["root"] / "first.jsonl")) == [1, 2, 3, 4, 5, 6]
+    for rank in (0, 1):
+        extra = torch.load(first["root"] / "ckpt" / "global_step_3" / "extra_state" / f"extra_state_rank_{rank}.pt",
+                           weights_only=False)
+        loader = extra["loader"]
+        assert loader["kind"] == "stream" and loader["global_batch_size"] == 4, loader
+        assert loader["position"]["records_before"] + loader["position"]["record"] > 0, loader
+
+
+@pytest.mark.slow
+def test_a_streamed_chat_run_resumes_bitwise_under_accelerate(first):
+    """Resumed from step 3 under accelerate launch: steps 4-6 bitwise (the default run keeps
+    tests/test_streaming.py::test_killed_after_a_save_resumes_bitwise for the library, on 2 processes)."""
+    root = first["root"]
+    resumed = run_accelerate(SCRIPT, CPU2, [*first["common"], f"--checkpoint.restore_from={root / 'ckpt' / 'global_step_3'}",
+                                            f"--logging.metrics_file={root / 'resumed.jsonl'}"], env=first["env"],
+                             timeout=400)
+    got, want = metrics(root / "resumed.jsonl"), metrics(root / "first.jsonl")
+    assert sorted(got) == [4, 5, 6]
+    assert got == {step: want[step] for step in (4, 5, 6)}
+    assert "resumed at step 3" in resumed.stdout
 
 
 def test_the_bad_row_error_reads_in_flags():
