@@ -221,11 +221,14 @@ def runs(tmp_path_factory, hyperacc_cache):
     assert killed.returncode != 0, "the chat run was to be killed"
     for kind in ("text", "chat"):
         shutil.copytree(tmp / f"ck_{kind}", tmp / f"ck1_{kind}")
-    resumed = lambda: run_torchrun(SCRIPT, 2, then(args("text", "text_resumed", tmp / "ck_text", "--resume"),  # noqa: E731
-                                                   args("chat", "chat_resumed", tmp / "ck_chat", "--resume")),
-                                   timeout=300)
-    one = lambda: run_python(SCRIPT, then(args("text", "text_one", tmp / "ck1_text", "--resume"),  # noqa: E731
-                                          args("chat", "chat_one", tmp / "ck1_chat", "--resume")), timeout=300)
+    def resumed():
+        return run_torchrun(SCRIPT, 2, then(args("text", "text_resumed", tmp / "ck_text", "--resume"),
+                                            args("chat", "chat_resumed", tmp / "ck_chat", "--resume")), timeout=300)
+
+    def one():
+        return run_python(SCRIPT, then(args("text", "text_one", tmp / "ck1_text", "--resume"),
+                                       args("chat", "chat_one", tmp / "ck1_chat", "--resume")), timeout=300)
+
     run_together(resumed, one) if SLOW else resumed()       # 2 -> 1: the slow set (see its test)
     return {path.stem: json.loads(path.read_text()) for path in tmp.glob("*.json")}
 

@@ -69,7 +69,8 @@ def test_a_streamed_chat_run_resumes_bitwise_under_accelerate(first):
     """Resumed from step 3 under accelerate launch: steps 4-6 bitwise (the default run keeps
     tests/test_streaming.py::test_killed_after_a_save_resumes_bitwise for the library, on 2 processes)."""
     root = first["root"]
-    resumed = run_accelerate(SCRIPT, CPU2, [*first["common"], f"--checkpoint.restore_from={root / 'ckpt' / 'global_step_3'}",
+    restore = f"--checkpoint.restore_from={root / 'ckpt' / 'global_step_3'}"
+    resumed = run_accelerate(SCRIPT, CPU2, [*first["common"], restore,
                                             f"--logging.metrics_file={root / 'resumed.jsonl'}"], env=first["env"],
                              timeout=400)
     got, want = metrics(root / "resumed.jsonl"), metrics(root / "first.jsonl")
