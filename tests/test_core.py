@@ -67,7 +67,7 @@ def single(jobs):
 
 @pytest.fixture(scope="module")
 def two_process_runs(jobs):
-    return jobs[2]
+    return jobs[1]
 
 
 @pytest.fixture(scope="module")
