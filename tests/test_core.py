@@ -55,7 +55,7 @@ def jobs(folder):
     """Side by side (run_together: independent, deterministic runs): the 1-process run and the 2-process launch."""
     # the 1-process run also makes tests/test_accumulation.py's reference (1 process x 4 micro-batches), --then
     return run_together(lambda: _one_process(folder / "single.json", "--steps", STEPS, "--meta", "--then",
-                                             folder / "accumulation.json", *ACCUMULATION_ARGS,
+                                             folder / "accumulation_one.json", *ACCUMULATION_ARGS,
                                              "--grads", folder / "grads1.pt"),
                         lambda: _two_processes(folder))
 
@@ -124,7 +124,7 @@ def test_hsdp_2x2_matches_single_process(single, tmp_path):
 def test_token_weighted_accumulation_2x2_matches_1x4(jobs, folder, two_process_runs):
     """tests/test_accumulation.py's default check (its own launches are slow), on this file's launches: 2
     processes x 2 micro-batches of right-padded sequences train as 1 process x 4 (losses, grad norms, tokens)."""
-    ref = json.loads((folder / "accumulation.json").read_text())
+    ref = json.loads((folder / "accumulation_one.json").read_text())
     check_accumulation(ref, two_process_runs["accumulation"], 2)
 
 
