@@ -7,7 +7,8 @@ compiled frames in the process after each step. What is proven:
 
 * Default run (one job, 10 steps, fp32, variable sequence lengths): with the aot_eager backend (graph
   capture + AOTAutograd, eager kernels) a compiled layout trains like its eager twin -- per-step loss and
-  grad norm within RTOL over all 10 steps -- without and with activation recompute; compiled layouts do
+  grad norm within RTOL over all 10 steps -- and with activation recompute (the compiled resume below
+  recomputes; the recompute pair trained from step 1 is slow); compiled layouts do
   compile (the counter grows inside them), eager layouts compile nothing, and no compiled layout compiles
   again after step 2 although every step's sequences have other lengths (no recompile per shape).
 * Checkpoint interchange (same job): an eager run's step-5 checkpoint resumed by a compiled run, and a
@@ -37,7 +38,10 @@ RTOL = 1e-4                 # compiled (aot_eager) vs eager, per step; measured:
 INDUCTOR_LOSS_RTOL, INDUCTOR_GRAD_NORM_RTOL = 5e-3, 5e-2
 INDUCTOR_FIRST_STEP_RTOL = 1e-5     # step 1: the same weights, forward only differs by kernel rounding
 
-DEFAULT = ["dp2", "dp2+c", "dp2r", "dp2r+c", "dp2+c<dp2", "dp2<dp2+c"]
+# The recompute pair (dp2r, dp2r+c) is a slow job of its own; by default the compiled resume recomputes
+# (it must still match the uninterrupted compiled run exactly and compile nothing after its first step).
+DEFAULT = ["dp2", "dp2+c", "dp2+c<dp2", "dp2<dp2+c"]
+DEFAULT_RECOMPUTE = ["dp2+c<dp2"]
 RECOMPUTE = ["dp2r", "dp2r+c"]      # the "r" is ignored by the layout parser: dp2 with activation recompute
 SLOW_PAIRS = ["rep2dp1", "dp2ep2", "dp1tp2", "dp1cp2"]     # rep2dp1: HSDP (2 replicas)
 
@@ -62,10 +66,24 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, ckpt):
-    """dp2 eager/compiled, without and with recompute; every fresh layout saves its step-15 state, then the
-    compiled run resumes the eager checkpoint and the eager run the compiled one (steps 16..20)."""
-    return _run(tmp_path_factory, "default", DEFAULT, "--recompute", *RECOMPUTE,
+    """dp2 eager and compiled; each saves its step-5 state, then the compiled run resumes the eager
+    checkpoint -- with activation recompute, the default run's compile-with-recompute check -- and the eager
+    run the compiled one (steps 6..10)."""
+    return _run(tmp_path_factory, "default", DEFAULT, "--recompute", *DEFAULT_RECOMPUTE,
                 "--ckpt", ckpt, "--save-step", SAVE_STEP, steps=DEFAULT_STEPS)
+
+
+@pytest.fixture(scope="module")
+def recompute_job(tmp_path_factory, ckpt):
+    """Slow: the dp2 pair with activation recompute from step 1 (the default job recomputes in its compiled
+    resume only), saving its step-5 states beside the default job's."""
+    return _run(tmp_path_factory, "recompute", RECOMPUTE, "--recompute", *RECOMPUTE,
+                "--ckpt", ckpt, "--save-step", SAVE_STEP, steps=DEFAULT_STEPS)
+
+
+def _job(request, spec):
+    """The job that trained ``spec``: the recompute pair's slow job, or the default one."""
+    return request.getfixturevalue("recompute_job" if spec in RECOMPUTE else "job")
 
 
 @pytest.fixture(scope="module")
@@ -108,20 +126,28 @@ def _check_compiled_once(job, spec):
 
 
 # ----------------------------------------------------------------------- default: dp2, aot_eager
-@pytest.mark.parametrize("eager", ["dp2", "dp2r"])
-def test_compiled_matches_eager_per_step(job, eager):
+# [dp2r] cases: slow; compile with recompute by default: test_resume_across_compile_is_exact[dp2+c<dp2-dp2+c]
+# and test_resumed_compiled_run_does_not_recompile (the compiled resume recomputes).
+_SLOW_R = pytest.mark.slow
+
+
+@pytest.mark.parametrize("eager", ["dp2", pytest.param("dp2r", marks=_SLOW_R)])
+def test_compiled_matches_eager_per_step(request, eager):
+    job = _job(request, eager)
     _check_same_training(job[eager], job[eager + "+c"], steps=DEFAULT_STEPS)
 
 
-@pytest.mark.parametrize("spec", ["dp2+c", "dp2r+c"])
-def test_compiled_layout_compiles_in_step_one_or_two_and_never_again(job, spec):
+@pytest.mark.parametrize("spec", ["dp2+c", pytest.param("dp2r+c", marks=_SLOW_R)])
+def test_compiled_layout_compiles_in_step_one_or_two_and_never_again(request, spec):
+    job = _job(request, spec)
     _check_compiled_once(job, spec)
     # the steps' sequences have other lengths (so other token counts): no recompile per shape
     assert len(set(job[spec]["tokens"])) > 1
 
 
-@pytest.mark.parametrize("spec", ["dp2", "dp2r", "dp2<dp2+c"])
-def test_eager_layout_compiles_nothing(job, spec):
+@pytest.mark.parametrize("spec", ["dp2", pytest.param("dp2r", marks=_SLOW_R), "dp2<dp2+c"])
+def test_eager_layout_compiles_nothing(request, spec):
+    job = _job(request, spec)
     assert _new_frames(job, spec) == 0, job[spec]["compiled_frames"]
 
 
@@ -137,8 +163,8 @@ def test_resume_across_compile_is_exact(job, spec, uninterrupted):
 
 
 def test_resumed_compiled_run_does_not_recompile(job):
-    """The compiled resume reuses the code dynamo compiled for dp2+c in this process (same block code,
-    parameters are graph inputs): the counter is positive and stays where it was for all its steps."""
+    """The compiled resume (with activation recompute) compiles in its first step at most: the counter is
+    positive and stays where it was for all its steps."""
     frames = job["dp2+c<dp2"]["compiled_frames"]
     assert frames[0] > 0 and frames == [frames[0]] * len(frames), frames
 
@@ -153,8 +179,9 @@ def _saved_tensors(folder: Path) -> dict:
     return {key: tuple(getattr(item, "size", ())) for key, item in metadata.items()}
 
 
-@pytest.mark.parametrize("eager", ["dp2", "dp2r"])
-def test_compiled_and_eager_checkpoints_hold_the_same_tensors(job, ckpt, eager):
+@pytest.mark.parametrize("eager", ["dp2", pytest.param("dp2r", marks=_SLOW_R)])
+def test_compiled_and_eager_checkpoints_hold_the_same_tensors(request, ckpt, eager):
+    _job(request, eager)
     eager_keys, compiled_keys = _saved_tensors(Path(ckpt) / eager), _saved_tensors(Path(ckpt) / (eager + "+c"))
     assert any(".layers.0.self_attn.q_proj.weight" in key for key in eager_keys), sorted(eager_keys)[:20]
     assert not [key for key in compiled_keys if "_orig_mod" in key or "_checkpoint_wrapped" in key]

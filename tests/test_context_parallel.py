@@ -6,6 +6,14 @@ resume of that cp 2 checkpoint at cp 1; a 4-process job for cp 4, dp_shard 2 x c
 with tests/test_parallel.py's. Each layout
 trains 10 AdamW steps of 2+ micro-batches from the same seeded init on the same global batches
 (right-padded to a multiple of 4), and must match cp = 1 per step within 1e-5 relative.
+
+All these launches are in the slow set (~32 s of CPU by default before). The default run keeps each
+guarantee in a launch another file makes anyway: cp 2 equals one process in tests/test_router_aux.py
+(dp1cp2mb4, test_every_layout_equals_one_process_with_the_aux_loss_on), its dense parameters sharded over
+dp_shard x cp there (test_placements_and_expert_shares_of_each_kind_of_layout), a cp 2 checkpoint resumed
+exactly at another layout there (test_resume_across_layouts_is_exact: at dp_shard 2), and the bad inputs'
+one line on every rank in tests/test_parallel.py::test_bad_parallel_inputs_one_line_on_every_rank (the cp
+cases ride its launch).
 """
 import json
 
@@ -50,8 +58,8 @@ def runs(tmp_path_factory):
 FOUR_PROCESS = ["cp4", "dp2cp2", "tp2cp2", "dp2cp2ep2"] if SLOW else []
 
 
-@pytest.mark.parametrize("layout", [n if n in ("cp2", *FOUR_PROCESS) else pytest.param(n, marks=pytest.mark.slow)
-                                    for n in ["cp2", "cp4", "dp2cp2", "tp2cp2", "dp2cp2ep2"]])
+@pytest.mark.slow   # by default: test_router_aux.py::test_every_layout_equals_one_process_with_the_aux_loss_on[dp1cp2mb4]
+@pytest.mark.parametrize("layout", ["cp2", "cp4", "dp2cp2", "tp2cp2", "dp2cp2ep2"])
 def test_layout_matches_cp1(runs, layout):
     reference, run = runs["dp1"], runs[layout]
     assert run["micro_batches"] >= 2 and len(run["losses"]) == STEPS
@@ -62,6 +70,7 @@ def test_layout_matches_cp1(runs, layout):
     assert run["dp_size"] == {"cp2": 1, "cp4": 1, "dp2cp2": 2, "tp2cp2": 1, "dp2cp2ep2": 2}[layout]
 
 
+@pytest.mark.slow   # by default: test_router_aux.py::test_placements_and_expert_shares_of_each_kind_of_layout
 def test_dense_parameters_are_sharded_over_dp_shard_x_cp(runs):
     q = "model.layers.0.self_attn.q_proj.weight"
     assert runs["cp2"]["placements"][q] == "('dp_shard_cp',):(Shard(dim=0),)"
@@ -69,6 +78,7 @@ def test_dense_parameters_are_sharded_over_dp_shard_x_cp(runs):
         assert runs["tp2cp2"]["placements"][q].startswith("('dp_shard_cp', 'tp'):")
 
 
+@pytest.mark.slow   # by default: test_router_aux.py::test_resume_across_layouts_is_exact (cp 2 -> dp_shard 2)
 def test_resume_cp2_at_cp1_is_exact(runs):
     run, reference = runs["dp1<cp2"], runs["dp1"]
     assert run["start_step"] == SAVE_STEP and len(run["losses"]) == STEPS - SAVE_STEP
@@ -77,6 +87,7 @@ def test_resume_cp2_at_cp1_is_exact(runs):
     assert run["consumed_tokens"] == reference["consumed_tokens"]
 
 
+@pytest.mark.slow   # by default: test_parallel.py::test_bad_parallel_inputs_one_line_on_every_rank (same cases, same launch)
 def test_bad_inputs_one_line_on_every_rank(tmp_path_factory):
     lines = parallel_error_lines(tmp_path_factory)       # the launch shared with tests/test_parallel.py
     assert lines[0] == lines[1]

@@ -7,6 +7,7 @@ import torch
 
 import hyperacc
 from dist_utils import REPO, run_accelerate, run_python, run_together, run_torchrun
+from test_accumulation import ACCUMULATION_ARGS, check_accumulation, check_padded_gradients
 from hyperacc.config import ParallelConfig
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 from hyperacc.runtime import detect_device_type
@@ -24,10 +25,17 @@ def _one_process(out, *args):
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
 # One 2-process launch serves every 2-process check here (train_tiny.py runs them one after the other
 # with --then, each with its own Accelerator, model and loader): a launch's start-up costs more than a run.
 TWO_PROCESS_RUNS = {
     "two": ["--steps", STEPS, "--meta"],
+    # tests/test_accumulation.py's 2 processes x 2 micro-batches (exact token-weighted accumulation), here:
+    "accumulation": [*ACCUMULATION_ARGS, "--grads", "{folder}/grads2.pt"],
     "recompute": ["--steps", STEPS, "--meta", "--recompute"],
     "hsdp": ["--steps", STEPS, "--meta", "--replicate", 2],        # 2 replicas x 1 shard
     "repeat": ["--steps", 8, "--repeat", "--lr", "1e-2"],
@@ -37,18 +45,18 @@ TWO_PROCESS_RUNS = {
 def _two_processes(folder):
     argv = []
     for name, args in TWO_PROCESS_RUNS.items():
-        argv += [*(["--then"] if argv else []), folder / f"{name}.json", *args]
+        argv += [*(["--then"] if argv else []), folder / f"{name}.json", *(str(a).format(folder=folder) for a in args)]
     run_torchrun(SCRIPT, 2, argv)
     return {name: json.loads((folder / f"{name}.json").read_text()) for name in TWO_PROCESS_RUNS}
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """Side by side (run_together: independent, deterministic runs): the 1-process run, a second
-    1-process run of one step (another process: the init must be the same across runs), the 2-process launch."""
-    folder = tmp_path_factory.mktemp("runs")
-    return run_together(lambda: _one_process(folder / "single.json", "--steps", STEPS, "--meta"),
-                        lambda: _one_process(folder / "again.json", "--steps", 1, "--meta"),
+def jobs(folder):
+    """Side by side (run_together: independent, deterministic runs): the 1-process run and the 2-process launch."""
+    # the 1-process run also makes tests/test_accumulation.py's reference (1 process x 4 micro-batches), --then
+    return run_together(lambda: _one_process(folder / "single.json", "--steps", STEPS, "--meta", "--then",
+                                             folder / "accumulation_one.json", *ACCUMULATION_ARGS,
+                                             "--grads", folder / "grads1.pt"),
                         lambda: _two_processes(folder))
 
 
@@ -59,7 +67,7 @@ def single(jobs):
 
 @pytest.fixture(scope="module")
 def two_process_runs(jobs):
-    return jobs[2]
+    return jobs[1]
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +89,16 @@ def test_parameters_are_sharded_dtensors(two_procs):
     assert 0.45 <= share <= 0.55, share
 
 
-def test_meta_init_identical_across_ranks_and_runs(jobs, single, two_procs):
-    # The 2-process checksum is computed from full tensors gathered from both ranks' shards.
+def test_meta_init_identical_across_ranks_and_runs(single, two_procs):
+    # The 2-process checksum is computed from full tensors gathered from both ranks' shards (other
+    # processes, another run: the same init); the bitwise check against a second 1-process run is slow.
     assert single["init_checksum"] == pytest.approx(two_procs["init_checksum"], rel=1e-12)
-    assert jobs[1]["init_checksum"] == single["init_checksum"]          # another process, the same init
+
+
+@pytest.mark.slow   # by default: test_meta_init_identical_across_ranks_and_runs (the 2-process run's init, rel 1e-12)
+def test_meta_init_bitwise_identical_in_another_process(single, folder):
+    again = _one_process(folder / "again.json", "--steps", 1, "--meta")    # another process, the same init
+    assert again["init_checksum"] == single["init_checksum"]
 
 
 def test_scheduler_steps_once_per_optimizer_step(two_procs):
@@ -105,6 +119,18 @@ def test_hsdp_2x2_matches_single_process(single, tmp_path):
     hsdp = json.loads(out.read_text())
     assert hsdp["dp_size"] == 4 and "Replicate()" in hsdp["placements"]
     assert _rel(single["losses"], hsdp["losses"]) <= 1e-5
+
+
+def test_token_weighted_accumulation_2x2_matches_1x4(jobs, folder, two_process_runs):
+    """tests/test_accumulation.py's default check (its own launches are slow), on this file's launches: 2
+    processes x 2 micro-batches of right-padded sequences train as 1 process x 4 (losses, grad norms, tokens)."""
+    ref = json.loads((folder / "accumulation_one.json").read_text())
+    check_accumulation(ref, two_process_runs["accumulation"], 2)
+
+
+def test_padded_gradients_equal_one_big_batch(jobs, folder):
+    """tests/test_accumulation.py::test_padded_gradients_equal_one_big_batch on this file's launches."""
+    check_padded_gradients(folder / "grads1.pt", folder / "grads2.pt")
 
 
 def test_recompute_gives_same_losses(two_procs, two_process_runs):

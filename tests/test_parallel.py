@@ -3,7 +3,11 @@
 One 1-process reference and 4-process jobs (several layouts per job, each from the same seeded
 meta-device init on the same global batches, 2 micro-batches per DP rank and step): job A trains dp4,
 dp2tp2 and dp4ep2, saving at step 5, then resumes those checkpoints at other layouts in the same launch;
-job B (slow set) the other layouts of the issue.
+job B the other layouts of the issue. Both are in the slow set (a 4-process launch and its reference cost
+~50 s of CPU): the default run keeps each guarantee on 2 processes in tests/test_router_aux.py's shared
+launch -- TP (dp1tp2) and EP (dp2ep2) equal one process (test_every_layout_equals_one_process_with_the_aux_loss_on),
+their placements and expert shares (test_placements_and_expert_shares_of_each_kind_of_layout) and an exact
+resume across layouts (test_resume_across_layouts_is_exact: a cp 2 checkpoint resumed at dp 2).
 """
 import json
 
@@ -40,7 +44,7 @@ def reference(tmp_path_factory):
 
 # The default run covers each kind of layout once (the slow set: every layout of the issue).
 JOB_B = ["dp4ep4", "dp2tp2ep4", "rep2dp2ep2"] if SLOW else []   # 2-process tp/ep: tests/test_router_aux.py
-RESUMES = ["dp2tp2<dp4", "dp4ep2<dp4", "dp4ep4<dp4", "dp4<dp4ep2", "dp4<dp2tp2"] if SLOW else ["dp2tp2<dp4", "dp4<dp4ep2"]
+RESUMES = ["dp2tp2<dp4", "dp4ep2<dp4", "dp4ep4<dp4", "dp4<dp4ep2", "dp4<dp2tp2"]   # job A: slow (module docstring)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +69,7 @@ def job_resume(job_a):
     return {spec: job_a[spec] for spec in RESUMES}
 
 
+@pytest.mark.slow   # TP/EP = 1 process by default: test_router_aux.py::test_every_layout_equals_one_process_with_the_aux_loss_on
 @pytest.mark.parametrize("layout", ["dp4", "dp2tp2", "dp4ep2"])
 def test_layouts_match_one_process_a(reference, job_a, layout):
     _check_exact(reference, job_a[layout])
@@ -85,6 +90,7 @@ def _check_exact(reference, run):
     assert run["consumed_tokens"] == reference["consumed_tokens"] == sum(reference["tokens"])
 
 
+@pytest.mark.slow   # by default: test_router_aux.py::test_placements_and_expert_shares_of_each_kind_of_layout
 def test_placements(job_a, job_b):
     q, experts = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.gate_up_proj"
     dp4, tp, ep2 = job_a["dp4"]["placements"], job_a["dp2tp2"]["placements"], job_a["dp4ep2"]["placements"]
@@ -100,6 +106,7 @@ def test_placements(job_a, job_b):
         assert hsdp.startswith("('dp_replicate', 'efsdp', 'ep'):(Replicate(),")
 
 
+@pytest.mark.slow   # by default: test_router_aux.py::test_placements_and_expert_shares_of_each_kind_of_layout
 def test_each_rank_holds_its_share_of_expert_bytes(job_a, job_b):
     for run in (job_a["dp4ep2"], *(job_b[n] for n in ("dp4ep4", "dp2tp2ep4") if n in job_b)):
         assert run["expert_bytes_share"] == pytest.approx(0.25, abs=0.01), run["layout"]
@@ -109,6 +116,7 @@ def test_each_rank_holds_its_share_of_expert_bytes(job_a, job_b):
     assert job_a["dp2tp2"]["expert_bytes_share"] == pytest.approx(0.5, abs=0.01)
 
 
+@pytest.mark.slow   # by default: test_router_aux.py::test_every_layout_equals_one_process_with_the_aux_loss_on (per-step aux loss)
 def test_aux_loss_present_in_every_layout(reference, job_a, job_b):
     assert all(a > 0 for a in reference["aux_losses"])
     for run in [*job_a.values(), *job_b.values()]:        # the resumed layouts too
@@ -116,7 +124,8 @@ def test_aux_loss_present_in_every_layout(reference, job_a, job_b):
         assert all(a > 0 for a in run["aux_losses"]), run["layout"]
 
 
-@pytest.mark.parametrize("spec", _slow_unless(["dp2tp2<dp4", "dp4ep2<dp4", "dp4ep4<dp4", "dp4<dp4ep2", "dp4<dp2tp2"], RESUMES))
+@pytest.mark.slow   # one exact resume across layouts by default: test_router_aux.py::test_resume_across_layouts_is_exact
+@pytest.mark.parametrize("spec", RESUMES)
 def test_resume_across_layouts_is_exact(reference, job_resume, spec):
     run = job_resume[spec]
     assert run["start_step"] == SAVE_STEP
@@ -316,3 +325,7 @@ def test_bad_parallel_inputs_one_line_on_every_rank(tmp_path_factory):
                 "dense_ep": "is a dense model"}
     for case, needle in expected.items():
         assert lines[1][case].startswith("ValueError: ") and needle in lines[1][case], lines[1][case]
+    # the context-parallel cases of the same launch (tests/test_context_parallel.py's own check is in the slow set)
+    assert lines[1]["cp_seq"].startswith("ValueError: sequence length 15 is not divisible by cp_size=2")
+    assert "cp_size=2 does not divide Qwen3MoeForCausalLM's num_attention_heads=3" in lines[1]["cp_heads"]
+    assert "attention cannot be wrapped for context parallelism" in lines[1]["cp_unwrappable"]

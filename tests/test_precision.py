@@ -203,6 +203,7 @@ def test_model_dtype_must_agree_with_the_recipe(example, capsys):
 PRECISION_RUN = REPO / "tests" / "scripts" / "precision_run.py"
 
 
+# Slow: the same checks ride tests/test_replicas.py's default 2-process launch (precision_run.py --then).
 @pytest.fixture(scope="module")
 def bf16_sr_run(tmp_path_factory):
     """One launch (precision_run.py --then, a start-up costs more than these runs): run a saves steps 2 and 4
@@ -218,6 +219,7 @@ def bf16_sr_run(tmp_path_factory):
     return out, json.loads((out / "a.json").read_text())
 
 
+@pytest.mark.slow   # by default: tests/test_replicas.py::test_bf16_sr_trains_sharded_bf16_with_bf16_states (its shared 2-process launch)
 def test_bf16_sr_trains_sharded_bf16_with_bf16_states(bf16_sr_run):
     _, run = bf16_sr_run
     assert run["param_dtypes"] == run["grad_dtypes"] == run["state_dtypes"] == ["bfloat16"]
@@ -226,6 +228,7 @@ def test_bf16_sr_trains_sharded_bf16_with_bf16_states(bf16_sr_run):
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
 
 
+@pytest.mark.slow   # by default: tests/test_replicas.py::test_bf16_sr_resumes_bitwise (its shared 2-process launch)
 def test_bf16_sr_resumes_bitwise(bf16_sr_run):
     out, run = bf16_sr_run
     resumed = json.loads((out / "b.json").read_text())
@@ -233,6 +236,7 @@ def test_bf16_sr_resumes_bitwise(bf16_sr_run):
     assert {s: resumed["steps"][s] for s in ("3", "4")} == {s: run["steps"][s] for s in ("3", "4")}
 
 
+@pytest.mark.slow   # by default: tests/test_replicas.py::test_a_resume_under_another_recipe_casts_with_a_warning (its shared 2-process launch)
 def test_a_resume_under_another_recipe_casts_with_a_warning(bf16_sr_run):
     out, _ = bf16_sr_run
     converted = json.loads((out / "c.json").read_text())
@@ -241,6 +245,7 @@ def test_a_resume_under_another_recipe_casts_with_a_warning(bf16_sr_run):
     assert math.isfinite(converted["steps"]["5"]["loss"])
 
 
+@pytest.mark.slow   # by default: tests/test_replicas.py::test_hf_export_writes_the_parameters_dtype (its shared 2-process launch)
 def test_hf_export_writes_the_parameters_dtype(bf16_sr_run):
     out, _ = bf16_sr_run
     headers = [json.loads(f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")])

@@ -5,6 +5,7 @@ Real FSDP2 processes (torchrun, gloo) running tests/scripts/precision_run.py on 
 default 2-process runs share one launch, the 1-process ones another (precision_run.py --then).
 """
 import json
+import math
 
 import pytest
 import torch
@@ -39,12 +40,18 @@ EP_STEPS = 4                      # the run under expert parallelism: "two" (sam
 
 @pytest.fixture(scope="module")
 def two_process_job(tmp_path_factory):
-    """bf16_sr HSDP replicas (dumped), the bf16_sr run that saves at step 8, the guard on HSDP replicas, and
-    the bf16_sr run under expert parallelism (ep 2)."""
+    """bf16_sr HSDP replicas (dumped), the bf16_sr run that saves at step 8 (and exports), its step-8 resume
+    under bf16_sr and under fp32_master, the guard on HSDP replicas, and the bf16_sr run under expert
+    parallelism (ep 2)."""
     tmp = tmp_path_factory.mktemp("two_process_job")
     (tmp / "dump").mkdir()
     records = _runs(tmp, 2, {"hsdp": ["--precision", "bf16_sr", *HSDP_ARGS, "--dump", tmp / "dump"],
-                             "two": [*WORLD_ARGS, "--save-steps", 8],
+                             "two": [*WORLD_ARGS, "--save-steps", 8, "--export", tmp / "hf"],
+                             # tests/test_precision.py's bf16_sr checks, in this launch (its own is slow):
+                             "resumed_2": ["--precision", "bf16_sr", "--steps", 10,
+                                           "--restore", tmp / "ckpt_two" / "global_step_8"],
+                             "cast": ["--precision", "fp32_master", "--steps", 9,
+                                      "--restore", tmp / "ckpt_two" / "global_step_8"],
                              "guard": [*GUARD_ARGS, "--replicate", 2],
                              "ep": ["--precision", "bf16_sr", "--steps", EP_STEPS, "--ep", 2]})
     return tmp, records
@@ -152,3 +159,35 @@ def test_bf16_sr_under_expert_parallelism_agrees_with_its_run_without(two_proces
     losses = _series(ep)
     assert len(losses) == EP_STEPS and all(0 < x < 20 for x in losses), losses
     assert max_rel(losses, _series(two)[:EP_STEPS]) <= 2e-3, (losses, _series(two))
+
+
+# ----------------------------------------------------------------------- bf16_sr training, resume, export
+# The default run's checks of tests/test_precision.py's bf16_sr launch (slow there), on this file's shared launch:
+def test_bf16_sr_trains_sharded_bf16_with_bf16_states(two_process_job):
+    run = two_process_job[1]["two"]
+    assert run["param_dtypes"] == run["grad_dtypes"] == run["state_dtypes"] == ["bfloat16"]
+    assert run["stochastic_rounding"] is True
+    losses = _series(run)
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+
+
+def test_bf16_sr_resumes_bitwise(two_process_job):
+    records = two_process_job[1]
+    run, resumed = records["two"], records["resumed_2"]
+    assert resumed["start"] == 8 and not resumed["warnings"]
+    assert {s: resumed["steps"][s] for s in ("9", "10")} == {s: run["steps"][s] for s in ("9", "10")}
+
+
+def test_a_resume_under_another_recipe_casts_with_a_warning(two_process_job):
+    converted = two_process_job[1]["cast"]
+    assert any("saved under precision='bf16_sr' and this run uses 'fp32_master'" in w for w in converted["warnings"])
+    assert converted["param_dtypes"] == converted["state_dtypes"] == ["float32"] and converted["start"] == 8
+    assert math.isfinite(converted["steps"]["9"]["loss"])
+
+
+def test_hf_export_writes_the_parameters_dtype(two_process_job):
+    hf = two_process_job[0] / "hf"
+    headers = [json.loads(f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")])
+               for f in hf.glob("*.safetensors")]
+    assert headers and {v["dtype"] for h in headers for k, v in h.items() if k != "__metadata__"} == {"BF16"}
+    assert json.loads((hf / "config.json").read_text())["dtype"] == "bfloat16"

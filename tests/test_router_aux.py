@@ -11,6 +11,8 @@ from hyperacc.data.collate import pad_collate
 from hyperacc.models import build_causal_lm, qwen3_moe_config
 
 STEPS, RTOL, COEF = 6, 1e-5, 0.05
+SAVE_STEP = 3                # every fresh 2-process layout saves its step-3 state; RESUME continues one at another layout
+RESUME = "dp2mb2<dp1cp2mb4"  # a cp 2 checkpoint (dense parameters sharded over dp_shard x cp) resumed at dp_shard 2
 
 
 def _batch():
@@ -82,11 +84,15 @@ def _run(tmp_path_factory, name, layouts, nproc, *extra):
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     """The 1-process reference -- 2 micro-batches of 4 sequences; the same with 8 micro-batches of 1; and
-    with the aux loss off -- beside the 2-process layouts (run_together: independent, deterministic runs)."""
+    with the aux loss off -- beside the 2-process layouts (run_together: independent, deterministic runs).
+    The 2-process launch is also the default run's check of each kind of layout (EP, CP, TP: the 4-process
+    jobs of tests/test_parallel.py and the cp 2 launch of tests/test_context_parallel.py are slow) and of an
+    exact resume across layouts (RESUME, in the same launch)."""
+    ckpt = tmp_path_factory.mktemp("ckpt")
     return run_together(
         lambda: _run(tmp_path_factory, "ref", ["dp1mb4", "dp1mb1", "dp1mb4na"], 1),
-        lambda: _run(tmp_path_factory, "two", ["dp2mb1", "dp2mb2", "dp2ep2mb1", "dp1cp2mb4", "dp1tp2mb2"], 2,
-                     "--recompute", "dp2mb2"))
+        lambda: _run(tmp_path_factory, "two", ["dp2mb1", "dp2mb2", "dp2ep2mb1", "dp1cp2mb4", "dp1tp2mb2", RESUME], 2,
+                     "--recompute", "dp2mb2", "--ckpt", ckpt, "--save-step", SAVE_STEP))
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +108,40 @@ def layouts(jobs):
 @pytest.mark.parametrize("layout", ["dp2mb1", "dp2mb2", "dp2ep2mb1", "dp1cp2mb4", "dp1tp2mb2"])
 def test_every_layout_equals_one_process_with_the_aux_loss_on(reference, layouts, layout):
     ref, run = reference["dp1mb4"], layouts[layout]
+    assert run["micro_batches"] >= 1 and len(run["losses"]) == STEPS
+    assert run["tokens"] == ref["tokens"] and run["consumed_tokens"] == ref["consumed_tokens"]   # each token once
+    assert all(a > 0 for a in run["aux_losses"])                              # every rank's aux loss is on
     assert _rel(ref["losses"], run["losses"]) <= RTOL, (ref["losses"], run["losses"])
     assert _rel(ref["grad_norms"], run["grad_norms"]) <= RTOL
     assert _rel(ref["step_aux_losses"], run["step_aux_losses"]) <= RTOL
+
+
+def test_resume_across_layouts_is_exact(reference, layouts):
+    """The default run's exact resume across layouts (tests/test_parallel.py's 4-process resumes and
+    tests/test_context_parallel.py's cp 2 -> cp 1 resume are slow): dp1cp2mb4's step-3 checkpoint, its dense
+    parameters sharded over dp_shard x cp, resumed at dp_shard 2, continues as the 1-process run."""
+    ref, run = reference["dp1mb4"], layouts[RESUME]
+    assert run["start_step"] == SAVE_STEP and len(run["losses"]) == STEPS - SAVE_STEP
+    assert _rel(ref["losses"][SAVE_STEP:], run["losses"]) <= RTOL
+    assert _rel(ref["grad_norms"][SAVE_STEP:], run["grad_norms"]) <= RTOL
+    assert run["consumed_tokens"] == ref["consumed_tokens"]
+
+
+def test_placements_and_expert_shares_of_each_kind_of_layout(layouts):
+    """What each layout shards over (the default run's placement checks; tests/test_parallel.py's 4-process
+    ones and tests/test_context_parallel.py's cp 2 one are slow)."""
+    q, experts = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.gate_up_proj"
+    dp, tp, ep, cp = (layouts[n]["placements"] for n in ("dp2mb1", "dp1tp2mb2", "dp2ep2mb1", "dp1cp2mb4"))
+    assert dp[q] == "('dp_shard',):(Shard(dim=0),)"
+    assert cp[q] == "('dp_shard_cp',):(Shard(dim=0),)"                     # dense params: dp_shard x cp
+    assert "'tp'" in tp[q].split(":")[0] and tp[q].endswith("Shard(dim=0))")  # column-parallel q_proj
+    assert "'tp'" in tp["lm_head.weight"].split(":")[0]                       # LM head and embeddings: TP too
+    assert "'tp'" in tp["model.embed_tokens.weight"].split(":")[0]
+    assert "'tp'" not in tp["model.layers.0.mlp.gate.weight"]                 # router replicated over tp
+    assert ep[experts].startswith("('efsdp', 'ep'):") and ep[experts].endswith("Shard(dim=0))")
+    assert ep[q] == "('dp_shard',):(Shard(dim=0),)"                           # dense params stay on the dense mesh
+    assert layouts["dp2ep2mb1"]["expert_bytes_share"] == pytest.approx(0.5, abs=0.01)
+    assert layouts["dp2mb1"]["expert_bytes_share"] == pytest.approx(0.5, abs=0.01)
 
 
 def test_accumulation_does_not_change_it(reference):
