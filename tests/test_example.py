@@ -1,7 +1,9 @@
 """examples/train_qwen.py end to end on real `accelerate launch` processes (2 CPU ranks, gloo).
 
-Four 2-process launches serve every assertion (module-scoped fixtures; the baseline beside the resume's two):
-  baseline  - the default config, 30 steps, production mode, uninterrupted;
+Three 2-process launches serve every assertion (module-scoped fixtures; the baseline beside the resume's two):
+  baseline  - `make demo` (the Makefile's flags: the default config, 30 steps, production mode, uninterrupted,
+              a checkpoint at the end) in a pseudo-terminal, as tests/test_demo_output.py runs it: its
+              metrics.jsonl is the baseline, and its screen is checked here (one screen, one bar, the summary);
   resume    - run 1: validate mode, stopped after step 15 by the preemption test hook with a save
               at 15 (same max_steps=30, so the same lr schedule); run 2: production mode,
               --checkpoint.restore_from=LATEST, to step 30, appending to the same JSONL;
@@ -17,6 +19,7 @@ import pytest
 
 from dist_utils import REPO, run_accelerate, run_python, run_together
 from example_utils import load_example, run_main
+from test_demo_output import assert_demo_screen, run_demo
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
 CPU2 = REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
@@ -41,8 +44,16 @@ def launches(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baseline(launches):
+def demo(launches):
     return launches[0]
+
+
+@pytest.fixture(scope="module")
+def baseline(demo):
+    """The demo's metrics.jsonl: (train records, eval records)."""
+    code, raw, run = demo
+    assert code == 0, raw.decode(errors="replace")[-4000:]
+    return _records(run / "metrics.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +62,9 @@ def resume(launches):
 
 
 def _baseline(tmp_path_factory):
-    out = tmp_path_factory.mktemp("baseline")
-    _launch([f"--logging.metrics_file={out / 'metrics.jsonl'}", f"--training.max_steps={STEPS}"])
-    return _records(out / "metrics.jsonl")
+    """`make demo` in a pseudo-terminal: (exit code, bytes written, its run directory)."""
+    run = tmp_path_factory.mktemp("baseline") / "run"
+    return (*run_demo(run), run)
 
 
 def _resume(tmp_path_factory):
@@ -83,6 +94,13 @@ def test_loss_falls_and_metrics_complete(baseline):
     assert [e["step"] for e in evals] == [10, 20, 30]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert all(abs(e["eval_ppl"] - math.exp(e["eval_loss"])) < 1e-6 * e["eval_ppl"] for e in evals)
+
+
+def test_make_demo_is_the_baseline_and_fits_one_screen(demo, baseline):
+    """`make demo` fits one screen, one bar, the closing summary last: the default run's one pseudo-terminal
+    run of it (tests/test_demo_output.py's own run of it is in the slow set)."""
+    assert STEPS == 30 == baseline[0][-1]["step"]          # the demo's max_steps, the default config's
+    assert_demo_screen(*demo)
 
 
 def test_validate_mode_matches_production(baseline, resume):

@@ -55,6 +55,10 @@ def _checked(out, n):
     return results
 
 
+# By default the loader runs at 2 processes only (test_load_two_processes_expert_parallel loads the multi-file
+# checkpoint, test_load_two_processes_tensor_parallel_tied_and_untied the tied and untied models, each bitwise
+# against from_pretrained, exported and reloaded) and in this process (test_in_process_load_equals_from_pretrained).
+@pytest.mark.slow
 def test_load_one_process_tied_and_untied(models, tmp_path):
     run_python(CHECK, ["--model", models / "dense", models / "moe_sharded", "--out", tmp_path / "r.json",
                        "--export", tmp_path / "exp"], timeout=300)
@@ -66,9 +70,9 @@ def test_load_one_process_tied_and_untied(models, tmp_path):
 @pytest.fixture(scope="module")
 def two_processes(models, tmp_path_factory):
     """One 2-process launch (weights_check.py --then, a start-up costs more than a load): expert parallel
-    (ep 2), then tensor parallel (tp 2), each with its own Accelerator."""
+    (ep 2) of the multi-file checkpoint, then tensor parallel (tp 2), each with its own Accelerator."""
     tmp = tmp_path_factory.mktemp("two_processes")
-    run_torchrun(CHECK, 2, ["--model", models / "moe", "--out", tmp / "ep.json", "--export", tmp / "ep", "--ep", 2,
+    run_torchrun(CHECK, 2, ["--model", models / "moe_sharded", "--out", tmp / "ep.json", "--export", tmp / "ep", "--ep", 2,
                             "--then", "--model", models / "dense", models / "moe", "--out", tmp / "tp.json",
                             "--export", tmp / "tp", "--tp", 2], timeout=300)
     return tmp
