@@ -134,7 +134,10 @@ def test_data_failure_on_rank_0_is_every_ranks_one_line(tmp_path):
     assert "building the data failed on rank 0" in line0 and f"file '{bad}' is not valid UTF-8: line 51" in line0
 
 
-def test_megatron_ids_beyond_the_vocab_stop_before_the_forward(tmp_path):
+# The check runs on every rank; one plain process by default (its one line before the forward). Rank 1
+# quiet while rank 0 speaks for both, after the process group exists: test_data_failure_on_rank_0_is_every_ranks_one_line.
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_megatron_ids_beyond_the_vocab_stop_before_the_forward(tmp_path, nproc):
     from hyperacc.data.megatron_writer import IndexedDatasetWriter
 
     prefix = str(tmp_path / "wide_vocab")
@@ -142,10 +145,16 @@ def test_megatron_ids_beyond_the_vocab_stop_before_the_forward(tmp_path):
     with IndexedDatasetWriter(prefix, vocab_size=50000) as writer:   # a tokenizer of 50000 entries
         for _ in range(200):
             writer.add_document(rng.integers(0, 1000, size=int(rng.integers(50, 200))))
-    rc, per_rank = _torchrun_per_rank([f"--data.dataset={prefix}", "--training.max_steps=2"], tmp_path)
+    args = [f"--data.dataset={prefix}", "--training.max_steps=2"]
+    if nproc == 1:
+        proc = subprocess.run([sys.executable, str(SCRIPT), *QUIET, *args], env=_env(), cwd=str(REPO),
+                              capture_output=True, text=True, timeout=240)
+        rc, per_rank = proc.returncode, {0: proc.stderr}
+    else:
+        rc, per_rank = _torchrun_per_rank(args, tmp_path)
+        _quiet(per_rank[1], "error:")
     assert rc != 0
     line0 = _one_error_line(per_rank[0], "error:")
-    _quiet(per_rank[1], "error:")
     assert "the batch of step 1 holds token id 99" in line0 and "vocab_size is 512" in line0, line0
 
 
