@@ -7,9 +7,9 @@ pseudo-terminal -- where a user sees it, and where tqdm draws its bars -- and th
 one training bar and one set of tokenizing bars (rank 0's), the step lines on lines of their own, and
 the closing summary last. The default run makes the demo once, as tests/test_example.py's baseline
 (the same 2-process, 30-step run of the default config; ``run_demo`` and ``assert_demo_screen`` here), and
-checks its screen there; this file's own pseudo-terminal run of it is in the slow set. A second, single-process run with ``--verbose`` and its output captured (a log
-file, not a terminal) prints the resolved config, the same text as the file it writes, and no bar
-redraws (no ``\\r``) between its lines.
+checks its screen there; this file's own pseudo-terminal run of it is in the slow set. A second,
+single-process run with ``--verbose`` and its output captured (a log file, not a terminal) prints the
+resolved config, the same text as the file it writes, and no bar redraws (no ``\\r``) between its lines.
 """
 from __future__ import annotations
 
