@@ -27,13 +27,16 @@ def _hashes(root):
 # ------------------------------------------------------------------------------ 1. saves only when asked
 @pytest.fixture(scope="module")
 def one_process_launches(tmp_path_factory):
-    """The policy runs beside accelerate's own save_state (2./3. below): two independent 1-process
-    launches side by side (run_together)."""
-    work, dist = tmp_path_factory.mktemp("policy"), tmp_path_factory.mktemp("dist")
+    """The policy runs beside accelerate's own save_state (2./3. below) followed, in the same process, by
+    load_state's fix for it (tests/scripts/ckpt_edges_then.py: a new Accelerator, model and optimizer
+    loading the directory from disk): two independent 1-process launches side by side (run_together)."""
+    work, dist, fix = (tmp_path_factory.mktemp(name) for name in ("policy", "dist", "fix"))
     (work / "runs").mkdir()
     run_together(lambda: run_python(SCRIPT, ["policy", work / "runs", work / "record.json"]),
-                 lambda: run_python(SCRIPT, ["accelerate_save", dist / "accelerate"]))
-    return work, dist
+                 lambda: run_python(SCRIPT.parent / "ckpt_edges_then.py",
+                                    ["accelerate_save", dist / "accelerate",
+                                     "--then", "accelerate_fix", dist / "accelerate", fix / "fix.json"]))
+    return work, dist, fix
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +124,10 @@ def test_save_state_refuses_another_tools_checkpoint_in_load_states_words(dist_r
     assert "accelerator.load_state(" in records[0]["load_accelerate"]["message"]
 
 
-def test_load_states_fix_for_an_accelerate_checkpoint_works(dist_run, tmp_path):
-    """The fix, as the message words it: accelerate's own loader, save_pretrained, load_pretrained."""
-    work = dist_run[0]
-    run_python(SCRIPT, ["accelerate_fix", work / "accelerate", tmp_path / "fix.json"])
-    fix = json.loads((tmp_path / "fix.json").read_text())
+def test_load_states_fix_for_an_accelerate_checkpoint_works(one_process_launches):
+    """The fix, as the message words it: accelerate's own loader, save_pretrained, load_pretrained (run
+    right after accelerate's save_state, in its launch)."""
+    fix = json.loads((one_process_launches[2] / "fix.json").read_text())
     assert fix["equal"] and fix["compared"] == fix["saved_keys"] and fix["tied"], fix
 
 

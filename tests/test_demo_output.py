@@ -5,9 +5,11 @@ The demo's command comes from the Makefile itself (its flags after examples/trai
 pseudo-terminal -- where a user sees it, and where tqdm draws its bars -- and the screen is rendered
 (``\\r`` returns to the line's start) to count what the user reads: at most 40 lines, no config dump,
 one training bar and one set of tokenizing bars (rank 0's), the step lines on lines of their own, and
-the closing summary last. A second, single-process run with ``--verbose`` and its output captured (a log
-file, not a terminal) prints the resolved config, the same text as the file it writes, and no bar
-redraws (no ``\\r``) between its lines.
+the closing summary last. The default run makes the demo once, as tests/test_example.py's baseline
+(the same 2-process, 30-step run of the default config; ``run_demo`` and ``assert_demo_screen`` here), and
+checks its screen there; this file's own pseudo-terminal run of it is in the slow set. A second,
+single-process run with ``--verbose`` and its output captured (a log file, not a terminal) prints the
+resolved config, the same text as the file it writes, and no bar redraws (no ``\\r``) between its lines.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import subprocess
 import termios
 import time
 
+import pytest
 import yaml
 
 from dist_utils import REPO, _env, accelerate_cmd, run_python
@@ -96,11 +99,16 @@ def _screen(raw: bytes):
     return lines
 
 
-def test_make_demo_fits_one_screen_with_one_bar_and_ends_with_the_summary(tmp_path):
-    run = tmp_path / "run"
+def run_demo(run):
+    """(exit code, bytes written) of the Makefile's demo, ``$(DEMO_RUN)`` = ``run``, in a pseudo-terminal
+    (tests/test_example.py's baseline is this run: the same flags, and its metrics.jsonl)."""
     config, flags = _demo_args(run)
     assert "--checkpoint.save_ckpt=true" in flags and not any("verbose" in f for f in flags), flags
-    code, raw = _run_in_terminal(accelerate_cmd(SCRIPT, config, flags))
+    return _run_in_terminal(accelerate_cmd(SCRIPT, config, flags))
+
+
+def assert_demo_screen(code, raw, run):
+    """What the user reads of one demo run (``run_demo(run)``): one screen, one bar, the summary last."""
     screen = _screen(raw)
     text = "\n".join(screen)
     assert code == 0, text[-4000:]
@@ -131,6 +139,14 @@ def test_make_demo_fits_one_screen_with_one_bar_and_ends_with_the_summary(tmp_pa
     assert tail[2] == f"config:      {resolved}", tail
     assert tail[3] == "next:" and len(tail) == 7 and all(line.startswith("  --") for line in tail[4:]), tail
     assert any("--peft.method=lora" in line for line in tail) and any("restore_from=LATEST" in line for line in tail)
+
+
+# The default run makes the demo once, as tests/test_example.py's baseline (the same 2-process, 30-step run
+# of the default config) and checks its screen there: test_example.py::test_make_demo_is_the_baseline_and_fits_one_screen.
+@pytest.mark.slow
+def test_make_demo_fits_one_screen_with_one_bar_and_ends_with_the_summary(tmp_path):
+    run = tmp_path / "run"
+    assert_demo_screen(*run_demo(run), run)
 
 
 def test_verbose_prints_the_resolved_config_it_writes_and_a_log_has_no_bar_redraws(tmp_path):

@@ -1,10 +1,13 @@
 """examples/train_qwen.py end to end on real `accelerate launch` processes (2 CPU ranks, gloo).
 
-Four 2-process launches serve every assertion (module-scoped fixtures; the baseline beside the resume's two):
-  baseline  - the default config, 30 steps, production mode, uninterrupted;
-  resume    - run 1: validate mode, stopped after step 15 by the preemption test hook with a save
-              at 15 (same max_steps=30, so the same lr schedule); run 2: production mode,
-              --checkpoint.restore_from=LATEST, to step 30, appending to the same JSONL;
+Three 2-process launches serve every assertion (module-scoped fixtures; the baseline beside the resume's two):
+  baseline  - `make demo` (the Makefile's flags: the default config, 30 steps, production mode, uninterrupted,
+              a checkpoint at the end) in a pseudo-terminal, as tests/test_demo_output.py runs it: its
+              metrics.jsonl is the baseline, and its screen is checked here (one screen, one bar, the summary);
+  resume    - run 1: validate mode, stopped after step 10 with a save at 10 (lr_scheduler.total_steps=30,
+              so the baseline's lr schedule); run 2: production mode, --checkpoint.restore_from=LATEST,
+              to step 20 (the same schedule: 10 resumed steps compared with the baseline's), appending
+              to the same JSONL;
   nan       - validate mode with a NaN planted at step 3 on rank 1 (tests/scripts/train_qwen_nan.py).
 Config errors run in this process through the example's main() (one of them also as a plain `python`
 process, for the exit code); the 30B dry run is in test_precision.py.
@@ -17,10 +20,11 @@ import pytest
 
 from dist_utils import REPO, run_accelerate, run_python, run_together
 from example_utils import load_example, run_main
+from test_demo_output import assert_demo_screen, run_demo
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
 CPU2 = REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
-STEPS, STOP = 30, 15
+STEPS, STOP, END = 30, 10, 20      # the baseline's steps; the resume's: stopped at STOP, resumed to END
 
 
 def _records(path):
@@ -41,8 +45,16 @@ def launches(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baseline(launches):
+def demo(launches):
     return launches[0]
+
+
+@pytest.fixture(scope="module")
+def baseline(demo):
+    """The demo's metrics.jsonl: (train records, eval records)."""
+    code, raw, run = demo
+    assert code == 0, raw.decode(errors="replace")[-4000:]
+    return _records(run / "metrics.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +63,9 @@ def resume(launches):
 
 
 def _baseline(tmp_path_factory):
-    out = tmp_path_factory.mktemp("baseline")
-    _launch([f"--logging.metrics_file={out / 'metrics.jsonl'}", f"--training.max_steps={STEPS}"])
-    return _records(out / "metrics.jsonl")
+    """`make demo` in a pseudo-terminal: (exit code, bytes written, its run directory)."""
+    run = tmp_path_factory.mktemp("baseline") / "run"
+    return (*run_demo(run), run)
 
 
 def _resume(tmp_path_factory):
@@ -63,7 +75,7 @@ def _resume(tmp_path_factory):
               f"--checkpoint.save_steps={STOP}"]
     # The first job stops at STOP on the schedule of the whole run, as a preempted job would.
     first = _launch(common + [f"--training.max_steps={STOP}", "--training.mode=validate"])
-    second = _launch(common + [f"--training.max_steps={STEPS}", "--checkpoint.restore_from=LATEST"])
+    second = _launch(common + [f"--training.max_steps={END}", "--checkpoint.restore_from=LATEST"])
     return out, first, second, _records(out / "metrics.jsonl")
 
 
@@ -85,6 +97,13 @@ def test_loss_falls_and_metrics_complete(baseline):
     assert all(abs(e["eval_ppl"] - math.exp(e["eval_loss"])) < 1e-6 * e["eval_ppl"] for e in evals)
 
 
+def test_make_demo_is_the_baseline_and_fits_one_screen(demo, baseline):
+    """`make demo` fits one screen, one bar, the closing summary last: the default run's one pseudo-terminal
+    run of it (tests/test_demo_output.py's own run of it is in the slow set)."""
+    assert STEPS == 30 == baseline[0][-1]["step"]          # the demo's max_steps, the default config's
+    assert_demo_screen(*demo)
+
+
 def test_validate_mode_matches_production(baseline, resume):
     train, _ = baseline
     _, _, _, (resumed, _) = resume
@@ -97,10 +116,10 @@ def test_resume_continues_exactly(baseline, resume):
     train, _ = baseline
     out, first, second, (resumed, _) = resume
     assert os.path.isfile(out / "ckpt" / "config.yaml")
-    assert (out / "ckpt" / "latest_checkpoint_iteration.txt").read_text().strip() == str(STEPS)
-    assert "resumed at step 15" in second.stdout
+    assert (out / "ckpt" / "latest_checkpoint_iteration.txt").read_text().strip() == str(END)
+    assert f"resumed at step {STOP}" in second.stdout
     # the JSONL continues at STOP + 1, every step once
-    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in resumed] == list(range(1, END + 1))
     by_step = {r["step"]: r for r in train}
     assert resumed[STOP]["lr"] == pytest.approx(by_step[STOP + 1]["lr"], rel=1e-12)
     for r in resumed[STOP:]:

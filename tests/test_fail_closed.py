@@ -122,6 +122,10 @@ def test_config_error_is_one_line_and_debug_shows_the_traceback(capsys, monkeypa
         example.main(args)
 
 
+# Slow (one launch per behaviour by default): rank 0's one line for both ranks, rank 1 quiet, on a real 2-process
+# launch is test_bad_paths_and_settings_one_line_on_every_rank's; this is the same report after the process group
+# exists, for a failure on rank 0 only.
+@pytest.mark.slow
 def test_data_failure_on_rank_0_is_every_ranks_one_line(tmp_path):
     # The file exists (the early check passes); only rank 0 reads it first, after the process group
     # exists, and finds it is not UTF-8. Rank 1 must not be left with gloo's "Connection closed".
@@ -134,7 +138,10 @@ def test_data_failure_on_rank_0_is_every_ranks_one_line(tmp_path):
     assert "building the data failed on rank 0" in line0 and f"file '{bad}' is not valid UTF-8: line 51" in line0
 
 
-def test_megatron_ids_beyond_the_vocab_stop_before_the_forward(tmp_path):
+# The check runs on every rank; one plain process by default (its one line before the forward). Rank 1
+# quiet while rank 0 speaks for both on 2 processes: test_bad_paths_and_settings_one_line_on_every_rank.
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_megatron_ids_beyond_the_vocab_stop_before_the_forward(tmp_path, nproc):
     from hyperacc.data.megatron_writer import IndexedDatasetWriter
 
     prefix = str(tmp_path / "wide_vocab")
@@ -142,10 +149,16 @@ def test_megatron_ids_beyond_the_vocab_stop_before_the_forward(tmp_path):
     with IndexedDatasetWriter(prefix, vocab_size=50000) as writer:   # a tokenizer of 50000 entries
         for _ in range(200):
             writer.add_document(rng.integers(0, 1000, size=int(rng.integers(50, 200))))
-    rc, per_rank = _torchrun_per_rank([f"--data.dataset={prefix}", "--training.max_steps=2"], tmp_path)
+    args = [f"--data.dataset={prefix}", "--training.max_steps=2"]
+    if nproc == 1:
+        proc = subprocess.run([sys.executable, str(SCRIPT), *QUIET, *args], env=_env(), cwd=str(REPO),
+                              capture_output=True, text=True, timeout=240)
+        rc, per_rank = proc.returncode, {0: proc.stderr}
+    else:
+        rc, per_rank = _torchrun_per_rank(args, tmp_path)
+        _quiet(per_rank[1], "error:")
     assert rc != 0
     line0 = _one_error_line(per_rank[0], "error:")
-    _quiet(per_rank[1], "error:")
     assert "the batch of step 1 holds token id 99" in line0 and "vocab_size is 512" in line0, line0
 
 

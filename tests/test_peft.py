@@ -11,10 +11,11 @@ Launches (tests/scripts/peft_run.py), module-scoped and shared by the tests:
   A       2 procs  pretrained fp32 base (save_pretrained here), LoRA on every projection +
                    modules_to_save=['lm_head'], 10 steps, checkpoints at steps 5 and 10 (with
                    save_consolidated='every'), every export; in the same launch as the checks
+The default run makes that one launch; the slow set (HYPERACC_SLOW_TESTS=1) adds:
   B       1 proc   the same as A (no checkpoint, no export)
   K / R   2 procs  A until step 5, SIGKILLed after its save / resumed from LATEST to step 10
                    (R: in A's launch, after A; K before it)
-slow: C (K's checkpoint resumed on 1 process), the meta-device path on 1 and 2 processes, a bf16
+  C (K's checkpoint resumed on 1 process), the meta-device path on 1 and 2 processes, a bf16
 pretrained base under bf16 compute (merged export vs PEFT's merge), a refused tp_size=2 launch end to end.
 """
 import json
@@ -26,6 +27,7 @@ import torch
 
 pytest.importorskip("peft")
 
+from conftest import SLOW  # noqa: E402
 from dist_utils import REPO, max_rel, run_python, run_together, run_torchrun  # noqa: E402
 
 SCRIPT = REPO / "tests" / "scripts" / "peft_run.py"
@@ -94,14 +96,18 @@ def _train_args(out, base, *more):
 
 
 @pytest.fixture(scope="module")
-def run_a(tmp, base_dir, killed):
-    """One launch (start-up is most of a launch): the checks (their own Accelerators), then run A, then
-    run R (--then): K's checkpoint resumed from LATEST to step 10."""
+def run_a(tmp, base_dir, request):
+    """One launch (start-up is most of a launch): the checks (their own Accelerators), then run A; with the
+    slow set, then run R (--then): K's checkpoint resumed from LATEST to step 10."""
+    then = []
+    if SLOW:
+        request.getfixturevalue("killed")
+        then = ["--then", *_train_args(tmp / "r.json", base_dir, "--ckpt", tmp / "ck_k", "--save-steps", SAVE_AT,
+                                       "--restore", "LATEST")]
     (tmp / "checks").mkdir()
     _launch(2, [*_train_args(tmp / "a.json", base_dir, "--ckpt", tmp / "ck_a", "--save-steps", SAVE_AT,
                              "--export", tmp / "exports", "--consolidated", "--checks", "--tmp", tmp / "checks"),
-                "--then", *_train_args(tmp / "r.json", base_dir, "--ckpt", tmp / "ck_k", "--save-steps", SAVE_AT,
-                                       "--restore", "LATEST")])
+                *then])
     return _record(tmp / "a.json"), torch.load(tmp / "a.json.pt")
 
 
@@ -131,7 +137,8 @@ def killed(tmp, killed_and_b):
 
 @pytest.fixture(scope="module")
 def resumed(tmp, run_a):
-    """R: made in run A's launch."""
+    """R: made in run A's launch (slow set only)."""
+    assert SLOW, "R runs in run A's launch with HYPERACC_SLOW_TESTS=1 only"
     return _record(tmp / "r.json"), torch.load(tmp / "r.json.pt")
 
 
@@ -167,13 +174,14 @@ def test_meta_device_adapters_start_at_peft_init_so_the_first_loss_is_the_base_m
     assert abs(run["step_loss"] - base) <= 1e-6 * base            # step 1 (2 ranks, token-weighted) = base loss
 
 
-def test_pretrained_base_first_loss_is_the_base_models(run_a, run_b, base_dir):
+def test_pretrained_base_first_loss_is_the_base_models(run_a, base_dir, request):
     """The base read from the files into each rank's shards under PEFT's names is the base itself:
-    step 1 with the adapters equals the plain base model's loss computed here."""
+    step 1 with the adapters equals the plain base model's loss computed here (run A; with the slow set,
+    the 1-process run B too)."""
     batch = _script().first_step_batch(256)
     with torch.no_grad():
         reference = _load_base(base_dir)(**batch).loss.item()
-    for record, _ in (run_a, run_b):
+    for record, _ in [run_a] + ([request.getfixturevalue("run_b")] if SLOW else []):
         assert record["dtypes"]["frozen"] == record["dtypes"]["trainable"] == ["float32"]
         assert record["probe"][0] == record["probe"][1]
         assert abs(record["probe"][1] - reference) <= 1e-6 * reference
@@ -183,6 +191,9 @@ def test_pretrained_base_first_loss_is_the_base_models(run_a, run_b, base_dir):
 
 
 # ----------------------------------------------------------------------------- world sizes, checkpoints
+# By default: test_hsdp_replicas_agree_and_train_as_fsdp (LoRA's losses on two layouts agree) and
+# tests/test_trainer.py::test_one_and_two_processes_and_ga_2_vs_4_agree (1 vs 2 processes).
+@pytest.mark.slow
 def test_one_and_two_processes_agree(run_a, run_b):
     (a, a_pt), (b, b_pt) = run_a, run_b
     assert a["world"] == 2 and b["world"] == 1
@@ -214,6 +225,10 @@ def test_adapters_only_checkpoint_holds_no_base_tensor(tmp, run_a, checks):
         assert json.loads((path / "hyperacc_checkpoint.json").read_text())["peft"] is True
 
 
+# By default: test_adapters_only_checkpoint_holds_no_base_tensor and test_load_state_after_an_evaluation_forward
+# (adapters-only checkpoints saved and loaded) and tests/test_trainer.py::test_killed_after_mid_epoch_save_resumes_bitwise
+# (a kill after a save, resumed bitwise).
+@pytest.mark.slow
 def test_sigkill_after_a_save_then_resume_from_latest_is_bitwise(run_a, killed, resumed):
     (a, a_pt), (proc, k), (r, r_pt) = run_a, killed, resumed
     assert proc.returncode != 0 and "SIGKILL" in proc.stderr        # killed right after step 5's save

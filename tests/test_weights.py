@@ -2,7 +2,8 @@
 
 Real processes (torchrun/accelerate launch, gloo): the load at 1, 2 (expert-parallel) and 4
 processes equals `from_pretrained` bitwise and gives its first-step loss, and each export reloads
-bitwise (tests/scripts/weights_check.py); the example loads a hub id from a fake local cache,
+bitwise (tests/scripts/weights_check.py; 1 and 4 processes in the slow set); the example (one plain
+process by default, `accelerate launch` on 2 in the slow set) loads a hub id from a fake local cache,
 saves a checkpoint with its in-job export, `to-hf` of that checkpoint equals the export, and a run
 started from `from-hf`'s model-only checkpoint has the first loss of the run that loaded the HF
 directory. Bad inputs are checked in-process (no process group): one clear error each.
@@ -55,6 +56,10 @@ def _checked(out, n):
     return results
 
 
+# By default the loader runs at 2 processes only (test_load_two_processes_expert_parallel loads the multi-file
+# checkpoint, test_load_two_processes_tensor_parallel_tied_and_untied the tied and untied models, each bitwise
+# against from_pretrained, exported and reloaded) and in this process (test_in_process_load_equals_from_pretrained).
+@pytest.mark.slow
 def test_load_one_process_tied_and_untied(models, tmp_path):
     run_python(CHECK, ["--model", models / "dense", models / "moe_sharded", "--out", tmp_path / "r.json",
                        "--export", tmp_path / "exp"], timeout=300)
@@ -66,9 +71,9 @@ def test_load_one_process_tied_and_untied(models, tmp_path):
 @pytest.fixture(scope="module")
 def two_processes(models, tmp_path_factory):
     """One 2-process launch (weights_check.py --then, a start-up costs more than a load): expert parallel
-    (ep 2), then tensor parallel (tp 2), each with its own Accelerator."""
+    (ep 2) of the multi-file checkpoint, then tensor parallel (tp 2), each with its own Accelerator."""
     tmp = tmp_path_factory.mktemp("two_processes")
-    run_torchrun(CHECK, 2, ["--model", models / "moe", "--out", tmp / "ep.json", "--export", tmp / "ep", "--ep", 2,
+    run_torchrun(CHECK, 2, ["--model", models / "moe_sharded", "--out", tmp / "ep.json", "--export", tmp / "ep", "--ep", 2,
                             "--then", "--model", models / "dense", models / "moe", "--out", tmp / "tp.json",
                             "--export", tmp / "tp", "--tp", 2], timeout=300)
     return tmp
@@ -93,9 +98,12 @@ def test_load_four_processes(models, tmp_path):
 
 
 # --------------------------------------------------------------------------- the example, conversion
-def _example(args, env=None):
-    run_accelerate(EXAMPLE, CPU2, ["--logging.progress_bar=false", "--training.max_steps=1", "--data.tokenizer=default",
-                                   *map(str, args)], env=env, timeout=300)
+def _example(args, env=None, nproc=2):
+    args = ["--logging.progress_bar=false", "--training.max_steps=1", "--data.tokenizer=default", *map(str, args)]
+    if nproc == 1:
+        run_python(EXAMPLE, args, env=env, timeout=300)
+    else:
+        run_accelerate(EXAMPLE, CPU2, args, env=env, timeout=300)
 
 
 def _first_loss(path):
@@ -117,12 +125,16 @@ def _same_safetensors(a, b):
         assert x[key].dtype == y[key].dtype and torch.equal(x[key], y[key]), key
 
 
-def test_example_hub_id_to_hf_and_from_hf(models, tmp_path, monkeypatch):
+# One plain process by default: the sharded load and export at 2 processes are
+# test_load_two_processes_expert_parallel's and test_load_two_processes_tensor_parallel_tied_and_untied's.
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_example_hub_id_to_hf_and_from_hf(models, tmp_path, monkeypatch, nproc):
     from hyperacc.checkpoint.convert import from_hf, to_hf
 
     hub = {"HF_HUB_CACHE": str(models / "hub")}
     _example([f"--model.name_or_path={HUB_ID}", "--checkpoint.save_ckpt=true", f"--checkpoint.checkpoint_dir={tmp_path / 'a'}",
-              "--checkpoint.save_consolidated=final", f"--logging.metrics_file={tmp_path / 'a.jsonl'}"], env=hub)
+              "--checkpoint.save_consolidated=final", f"--logging.metrics_file={tmp_path / 'a.jsonl'}"], env=hub,
+             nproc=nproc)
     step = tmp_path / "a" / "global_step_1"
     # to-hf of the checkpoint equals the in-job export (config from the run's config.yaml: the hub id).
     monkeypatch.setenv("HF_HUB_CACHE", hub["HF_HUB_CACHE"])
