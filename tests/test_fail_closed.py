@@ -122,10 +122,6 @@ def test_config_error_is_one_line_and_debug_shows_the_traceback(capsys, monkeypa
         example.main(args)
 
 
-# Slow (one launch per behaviour by default): rank 0's one line for both ranks, rank 1 quiet, on a real 2-process
-# launch is test_bad_paths_and_settings_one_line_on_every_rank's; this is the same report after the process group
-# exists, for a failure on rank 0 only.
-@pytest.mark.slow
 def test_data_failure_on_rank_0_is_every_ranks_one_line(tmp_path):
     # The file exists (the early check passes); only rank 0 reads it first, after the process group
     # exists, and finds it is not UTF-8. Rank 1 must not be left with gloo's "Connection closed".
@@ -139,7 +135,7 @@ def test_data_failure_on_rank_0_is_every_ranks_one_line(tmp_path):
 
 
 # The check runs on every rank; one plain process by default (its one line before the forward). Rank 1
-# quiet while rank 0 speaks for both on 2 processes: test_bad_paths_and_settings_one_line_on_every_rank.
+# quiet while rank 0 speaks for both, after the process group exists: test_data_failure_on_rank_0_is_every_ranks_one_line.
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_megatron_ids_beyond_the_vocab_stop_before_the_forward(tmp_path, nproc):
     from hyperacc.data.megatron_writer import IndexedDatasetWriter
