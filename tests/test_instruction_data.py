@@ -99,8 +99,8 @@ def test_packed_and_padded_steps_agree_moe(moe_runs):
 
 
 # Slow set (a third launch): a resumed run of the example continuing bitwise is kept by default by
-# tests/test_streaming_example.py::test_a_streamed_chat_run_resumes_bitwise_under_accelerate (chat records,
-# packed, resumed under accelerate launch) and tests/test_example.py::test_resume_continues_exactly.
+# tests/test_streaming.py::test_killed_after_a_save_resumes_bitwise[chat] (chat records, packed, killed after a
+# save and resumed on 2 processes) and tests/test_example.py::test_resume_continues_exactly (the example).
 @pytest.mark.slow
 def test_resumed_chat_run_continues_bitwise(moe_runs, moe_resumed):
     _, runs = moe_runs
