@@ -179,6 +179,7 @@ def init_runtime(device_type: Optional[str] = None, timeout_s: Optional[float] =
         warnings.warn(f"Reusing an existing process group with backend {dist.get_backend()!r} "
                       f"although {backend!r} is the native one for {device_type}.")
 
+    _release_gil_at_exit()        # whoever ends it: a group alive at exit must not abort the process
     cpu_group = None
     if device_type != "cpu" and dist.get_world_size() > 1:
         cpu_group = dist.new_group(backend="gloo")
@@ -205,3 +206,27 @@ def shutdown(runtime: Runtime) -> None:
         dist.barrier()
         dist.destroy_process_group()
         time.sleep(0.05)
+    elif dist.is_initialized():
+        # Not ours to destroy (a script's, or an earlier Accelerator's in the same job): its gloo threads may
+        # still be releasing the last collective's tensors; give them the GIL now, and again at exit.
+        time.sleep(0.05)
+        _release_gil_at_exit()
+
+
+_AT_EXIT = []
+
+
+def _release_gil_at_exit() -> None:
+    """Once per process: at interpreter exit, while a process group still exists, sleep 50 ms so that gloo
+    threads waiting for the GIL finish before finalization (else "terminate called without an active
+    exception", SIGABRT: seen in CI and in a test job whose first Accelerator's group outlived it)."""
+    if _AT_EXIT:
+        return
+    import atexit
+
+    def release():
+        if dist.is_available() and dist.is_initialized():
+            time.sleep(0.05)
+
+    atexit.register(release)
+    _AT_EXIT.append(release)
