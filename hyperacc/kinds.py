@@ -1,7 +1,7 @@
 """Model kinds: the one seam through which the core asks what a model that is not a plain `nn.Module`
-needs -- a PEFT model today, the next kind (a quantized base, ...) tomorrow.
+needs -- an adapter-wrapped model today, the next kind (a quantized base, ...) tomorrow.
 
-Why a seam: every capability that special-cased itself inside the core (sharding asked "is this a PEFT
+Why a seam: every capability that special-cased itself inside the core (sharding asked "is this an adapter
 model?", so did the weight loader, the checkpoint buckets, the exports, ...) tied the lowest layers to
 the highest and made an import cycle of them. Here the core asks a `ModelKind` instead -- a handful of
 questions with the plain model's answers as defaults -- and an integration answers them for its own
@@ -9,10 +9,10 @@ models. The next kind is one new file that subclasses `ModelKind` and calls `reg
 
 Which kind serves a model: `for_model(model)` asks the registered kinds, the most recently registered
 first, whether they `matches` the model; the first that does serves it; else `PLAIN` (the plain
-model's answers). A kind whose implementation imports an optional library (PEFT) is registered
-*lazily* with `register_lazy(predicate, module)`: a cheap predicate on the model (for PEFT: is
-``peft`` imported at all, and is the model a ``peft.PeftModel``; a model of that class cannot exist
-without its library imported) and the name of the module that implements the kind. That module is
+model's answers). A kind whose implementation imports an optional library is registered *lazily* with
+`register_lazy(predicate, module)`: a cheap predicate on the model (e.g. is the library imported at all, and
+is the model an instance of its wrapper class; such a model cannot exist without its library imported) and
+the name of the module that implements the kind. That module is
 imported -- and registers its kind -- the first time a model passes the predicate. So ``import
 hyperacc`` imports no optional library, a plain model never loads an integration, and no module below
 `hyperacc.integrations` names one: the integrations declare their own lazy entries

@@ -188,7 +188,7 @@ def test_convert_refuses_an_adapters_only_checkpoint(prepared, tmp_path):
 
     acc, _, _ = prepared
     path = acc.save_state()
-    with pytest.raises(ConvertError, match="PEFT run only"):
+    with pytest.raises(ConvertError, match="adapter run only"):
         to_hf(path, str(tmp_path / "hf"), progress=False)
     assert not (tmp_path / "hf").exists()
 

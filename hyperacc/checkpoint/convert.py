@@ -107,11 +107,10 @@ def to_hf(checkpoint: str, output: str, *, config_from: Optional[str] = None, ov
     problem = restore.verify(checkpoint, True)
     if problem:
         raise ConvertError(problem)
-    if (storage.read_sentinel(checkpoint) or {}).get("peft"):
-        raise ConvertError(f"{checkpoint} holds the trainable tensors of a PEFT run only (adapters, no base "
-                           "model): there is no full model to convert. Fix: export the adapters from a run "
-                           "(hyperacc.integrations.peft.export_adapter / export_merged in a run that resumes "
-                           "from this checkpoint).")
+    if (storage.read_sentinel(checkpoint) or {}).get(storage.TRAINABLE_ONLY_KEY):
+        raise ConvertError(f"{checkpoint} holds the trainable tensors of an adapter run only (no base model): "
+                           "there is no full model to convert. Fix: export them from a run that resumes from "
+                           "this checkpoint (Accelerator.save_model(model, DIR) writes the adapter).")
     metadata = storage.read_dcp_metadata(checkpoint).state_dict_metadata
     prefix = buckets.model_key(0) + "."
     saved = {k[len(prefix):]: v for k, v in metadata.items() if k.startswith(prefix) and hasattr(v, "size")}
@@ -201,7 +200,8 @@ def from_hf(model_dir: str, output: str, *, dtype=None, overwrite: bool = False,
     tmp = _output_dir(output, overwrite)
     digest = storage.write_sentinel(tmp, {
         "integrity": integrity.ALGORITHM, "global_step": 0, "epoch": 0, "train_state": "none", "rng": "not_saved",
-        "models": 1, "optimizers": 0, "schedulers": 0, "world_size": 1, "dp_size": 1, "peft": False, "seed": 0,
+        "models": 1, "optimizers": 0, "schedulers": 0, "world_size": 1, "dp_size": 1,
+        storage.TRAINABLE_ONLY_KEY: False, "seed": 0,
         "contents": MODEL_ONLY, "source": files.directory, "tied": [tied]})
     writer = integrity.IntegrityWriter(tmp, extra_files={storage.SENTINEL_FILE: digest}, thread_count=1)
     with tqdm(total=len(state), desc="from-hf", unit="tensor", disable=not progress) as bar:

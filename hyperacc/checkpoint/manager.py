@@ -168,8 +168,8 @@ class Checkpointer:
                     "optimizers": len(select(states, DCP, OptimizerBucket)),
                     "schedulers": len(states["schedulers"].schedulers) if layout != "none" else 0,
                     "world_size": _comm.world_size(), "dp_size": int(state.dp_size),
-                    "peft": peft, "frozen_base": base, "seed": int(state.seed), "precision": state.precision,
-                    "tied": tied}
+                    storage.TRAINABLE_ONLY_KEY: peft, "frozen_base": base, "seed": int(state.seed),
+                    "precision": state.precision, "tied": tied}
 
         def write_own_files():
             """This rank's files beside DCP's; returns their digests for the manifest."""

@@ -99,7 +99,7 @@ def trusted_checkpoint(source: str, root: str, enabled: bool, group=None, *, loc
 
 # --------------------------------------------------------------------------- the load plan
 def _mismatch_hint(sentinel: dict, adapters_only: bool) -> str:
-    saved_peft = sentinel.get("peft")
+    saved_peft = sentinel.get(storage.TRAINABLE_ONLY_KEY)
     if saved_peft and not adapters_only:
         return ("the checkpoint holds the trainable tensors of a PEFT run only: wrap the model with the same "
                 "PEFT config before prepare(), or set CheckpointConfig.is_peft=True for a model whose frozen part comes from elsewhere")

@@ -27,6 +27,9 @@ from hyperacc.checkpoint import _comm, containment, integrity
 from hyperacc.errors import UnsafeCheckpointError  # noqa: F401 - defined with every error class
 
 SENTINEL_FILE = "hyperacc_checkpoint.json"
+# The sentinel's flag for "trainable tensors only, the frozen base is not in this checkpoint" (a model kind's
+# `saves_trainable_only`). Its name is the on-disk format's since the first adapter runs: kept as it is.
+TRAINABLE_ONLY_KEY = "peft"
 EXTRA_STATE_DIR = "extra_state"
 EMBEDDED_EXTRA_KEY = "hyperacc_extra_state"
 FORMAT_VERSION = 2   # 2: a manifest of file digests is written (unless integrity is off)
