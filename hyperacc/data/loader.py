@@ -33,11 +33,9 @@ from hyperacc.data.collate import check_batch, default_collate
 from hyperacc.data.prefetch import Prefetcher
 from hyperacc.errors import DataResumeMismatch  # noqa: F401 - defined with every error class
 
-__all__ = ["DataResumeMismatch", "MicroBatchDataLoader", "STATE_VERSION", "micro_batches_per_step"]
+__all__ = ["DataResumeMismatch", "MicroBatchDataLoader", "STATE_VERSION", "check_rank", "micro_batches_per_step"]
 
 STATE_VERSION = 1
-
-
 _PERM_CACHE = 2          # epochs whose permutation is kept (the current one and one looked up)
 
 
@@ -85,6 +83,15 @@ def micro_batches_per_step(global_batch_size: int, micro_batch_size: int, dp_siz
             f"Fix: set global_batch_size to a multiple of {unit} (e.g. {options}), or pick a "
             f"micro_batch_size that divides global_batch_size / dp_size")
     return g // unit
+
+
+def check_rank(dp_rank: int, dp_size: int, global_batch_size: int, micro_batch_size: int) -> None:
+    """What ``bind(dp_rank, dp_size)`` of a step loader accepts (this one's and the stream's)."""
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be an int in [0, {dp_size}), got {dp_rank!r}")
+    micro_batches_per_step(global_batch_size, micro_batch_size, dp_size)
 
 
 class MicroBatchDataLoader:
@@ -150,11 +157,7 @@ class MicroBatchDataLoader:
 
         May be called again (e.g. after ``load_state_dict`` at a new DP size) before iterating.
         """
-        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-            raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
-        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be an int in [0, {dp_size}), got {dp_rank!r}")
-        micro_batches_per_step(self._global_batch_size, self._micro_batch_size, dp_size)
+        check_rank(dp_rank, dp_size, self._global_batch_size, self._micro_batch_size)
         self._dp_rank, self._dp_size = dp_rank, dp_size
         self._generation += 1
         return self

@@ -41,7 +41,7 @@ from typing import Any, Optional
 import torch
 
 from hyperacc.data.collate import check_batch, default_collate
-from hyperacc.data.loader import _epoch_seed, _positive_int, micro_batches_per_step
+from hyperacc.data.loader import _epoch_seed, _positive_int, check_rank
 from hyperacc.errors import DataResumeMismatch, StreamRowError
 
 __all__ = ["StreamingDataLoader", "StreamRowError", "STREAM_STATE_VERSION"]
@@ -131,11 +131,7 @@ class StreamingDataLoader:
     # ------------------------------------------------------------------ configuration
     def bind(self, dp_rank: int, dp_size: int) -> "StreamingDataLoader":
         """Take DP rank ``dp_rank`` of ``dp_size``'s share of every step (``prepare()`` calls it)."""
-        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-            raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
-        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be an int in [0, {dp_size}), got {dp_rank!r}")
-        micro_batches_per_step(self._global_batch_size, self._micro_batch_size, dp_size)
+        check_rank(dp_rank, dp_size, self._global_batch_size, self._micro_batch_size)
         self._dp_rank, self._dp_size = dp_rank, dp_size
         self._generation += 1
         return self
