@@ -42,15 +42,12 @@ import torch
 
 from hyperacc.data.collate import check_batch, default_collate
 from hyperacc.data.loader import _epoch_seed, _positive_int, check_rank
+from hyperacc.data.stream_position import has_position
 from hyperacc.errors import DataResumeMismatch, StreamRowError
 
 __all__ = ["StreamingDataLoader", "StreamRowError", "STREAM_STATE_VERSION"]
 
 STREAM_STATE_VERSION = 1
-
-
-def _has_position(source) -> bool:
-    return callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))
 
 
 def _window_seed(seed: int, epoch: int, window: int) -> int:
@@ -120,7 +117,7 @@ class StreamingDataLoader:
         self._collate = collate_fn if collate_fn is not None else default_collate
         self._shuffle, self._seed = bool(shuffle), int(seed)
         self.bad_rows, self.resume_mismatch = bad_rows, resume_mismatch
-        self._positioned = _has_position(source)
+        self._positioned = has_position(source)
         self._start = self._source_state() if self._positioned else None    # the stream's beginning
         self._pos = _Position(source=self._start)
         self._generation = 0
