@@ -19,7 +19,7 @@ import glob
 import os
 from typing import Optional
 
-from hyperacc.data.text import DEFAULT_HOLDOUT_FRACTION, _carve, is_megatron_spec
+from hyperacc.data.text import DEFAULT_HOLDOUT_FRACTION, _carve, check_dataset_source, is_megatron_spec
 from hyperacc.data.text_files import FILE_BUILDERS
 
 __all__ = ["open_stream", "DEFAULT_STREAM_SHARDS"]
@@ -54,6 +54,7 @@ def open_stream(dataset=None, *, kind: str = "text", name: Optional[str] = None,
     if is_megatron_spec(path):
         raise ValueError(f"{path!r} is a Megatron prefix: its tokens are memory-mapped, not loaded ahead, so there "
                          "is nothing to stream. Fix: read it with build_train_dataset / MicroBatchDataLoader")
+    check_dataset_source(path)          # a missing path, the config YAML, a directory without data: one line
     extension = os.path.splitext(path)[1].lower()
     try:
         if extension in FILE_BUILDERS and (os.path.isfile(path) or glob.has_magic(path)):
