@@ -219,7 +219,9 @@ _AT_EXIT = []
 def _release_gil_at_exit() -> None:
     """Once per process: at interpreter exit, while a process group still exists, sleep 50 ms so that gloo
     threads waiting for the GIL finish before finalization (else "terminate called without an active
-    exception", SIGABRT: seen in CI and in a test job whose first Accelerator's group outlived it)."""
+    exception", SIGABRT). The aborts seen in CI came, it turned out, from the heartbeat thread in a store call
+    (fixed in runtime.watchdog, reproduced 10 of 10 without it); this sleep stays as the cheap guard for gloo's
+    own threads, which the same mechanism would kill the same way."""
     if _AT_EXIT:
         return
     import atexit

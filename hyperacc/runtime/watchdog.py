@@ -14,10 +14,12 @@ loop names what this rank and each silent rank were doing.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import threading
 import time
+import weakref
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
@@ -26,6 +28,19 @@ from hyperacc.config.launch_env import env_value
 from hyperacc.errors import CollectiveTimeout  # noqa: F401 - defined with every error class
 
 TIMEOUT_WORDS = ("timed out", "timeout")
+
+# Heartbeats whose thread may still run. A daemon thread caught inside a store call (C++, GIL released) when
+# the interpreter finalizes is ended by pthread_exit while it unwinds through C++ frames that may not throw:
+# the process aborts with "terminate called without an active exception" (22 of 30 exits with a 0.1 ms beat;
+# a CI run lost 14 tests to it in a script that made five Accelerators and never ended them). So every
+# heartbeat still running at exit is stopped and joined by an atexit hook, before finalization begins.
+_LIVE: "weakref.WeakSet[Heartbeat]" = weakref.WeakSet()
+_STOP_AT_EXIT = []
+
+
+def _stop_all() -> None:
+    for heartbeat in list(_LIVE):
+        heartbeat.close()
 
 
 def is_collective_timeout(err: BaseException) -> bool:
@@ -64,6 +79,10 @@ class Heartbeat:
             self._beat()
             self._thread = threading.Thread(target=self._run, name="hyperacc-heartbeat", daemon=True)
             self._thread.start()
+            _LIVE.add(self)
+            if not _STOP_AT_EXIT:
+                atexit.register(_stop_all)
+                _STOP_AT_EXIT.append(_stop_all)
 
     @property
     def step(self) -> int:
@@ -100,8 +119,13 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 - the store went away with the job: nothing to report to
                 return
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the thread and wait for its beat in flight (a store set: bounded by the store's timeout)."""
         self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+        _LIVE.discard(self)
 
     def _read(self) -> Dict[int, Optional[str]]:
         out = {}
