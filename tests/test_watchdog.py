@@ -36,3 +36,14 @@ def test_exit_with_heartbeats_still_beating_ends_with_status_0():
         proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "heartbeat_exit.py"), "12"],
                               cwd=str(REPO), env=_env(None), capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_new_heartbeat_for_the_same_rank_stops_the_older_thread():
+    """A second Accelerator in one process: its heartbeat replaces the first one's thread (same key)."""
+    master, client = _store()
+    first = Heartbeat(0, 2, store=client, interval_s=0.001)
+    thread = first._thread
+    second = Heartbeat(0, 2, store=dist.TCPStore("127.0.0.1", master.port, is_master=False), interval_s=0.001)
+    assert not thread.is_alive() and first not in _LIVE and second in _LIVE
+    first.step = 3           # the older one still publishes when asked (its Accelerator may still be used)
+    second.close()

@@ -79,6 +79,8 @@ class Heartbeat:
             self._beat()
             self._thread = threading.Thread(target=self._run, name="hyperacc-heartbeat", daemon=True)
             self._thread.start()
+            for older in [b for b in _LIVE if (b._prefix, b.rank) == (self._prefix, self.rank)]:
+                older.close()   # an earlier Accelerator's in this process beats the same key: one thread is enough
             _LIVE.add(self)
             if not _STOP_AT_EXIT:
                 atexit.register(_stop_all)
