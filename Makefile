@@ -9,7 +9,6 @@ DOCS_STAMP := $(VENV)/.hyperacc-docs-installed
 
 $(STAMP): setup.py
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
