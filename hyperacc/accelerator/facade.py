@@ -161,6 +161,11 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def prepare_model(self, model: torch.nn.Module, device_placement=None, evaluation_mode: bool = False):
+        """Shard ``model`` on the mesh (in place; returns it). ``evaluation_mode=True`` (accelerate's name): a model
+        that is only run, never trained -- a DPO/KTO/GRPO reference, a teacher: sharded by the same plan, frozen,
+        in its own dtype, in eval mode; it is not in the checkpoints and no optimizer can hold it."""
+        if evaluation_mode:
+            return self._prepare_frozen(model)
         if any(model is seen for seen in self._models):
             raise ValueError("prepare() was called twice on the same model. Prepare each model once "
                              "and keep using the object it returned.")
@@ -168,6 +173,9 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         kind = model_setup.check_model(model, self._mesh, self.fsdp_config, self.device.type)
         aux_mode = router_aux.check_mode(model, self._router_aux_mode)
         layout = (tuple(self._mesh.mesh.mesh_dim_names), tuple(self._mesh.mesh.shape), repr(self.fsdp_config), aux_mode)
+        if getattr(model, "_hyperacc_layout", None) == "frozen":
+            raise ValueError("This model was prepared with evaluation_mode=True (frozen, in its own dtype) and cannot "
+                             "be trained: prepare a fresh copy of it for training.")
         if getattr(model, "_hyperacc_layout", None) is not None:
             # Sharded by an earlier Accelerator of this job (transformers' Trainer prepares the model it
             # evaluated again for training, or a second Trainer gets the same model): adopted as it is.
@@ -185,6 +193,17 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         self._models.append(model)
         compat.add_script_conveniences(model, self)
         return model
+
+    def _prepare_frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        if any(model is seen for seen in self._models) or getattr(model, "_hyperacc_layout", None) is not None:
+            raise ValueError("evaluation_mode=True: this model was already prepared (for training, or as another "
+                             "frozen model). A frozen reference must be its own copy: pass a separate model object.")
+        kind = model_setup.check_model(model, self._mesh, self.fsdp_config, self.device.type)
+        model_setup.shard_and_fill(model, kind=kind, mesh=self._mesh, fsdp_config=self.fsdp_config,
+                                   parallelize_fn=self._parallelize_fn, device=self.device, seed=self.seed,
+                                   num_processes=self.num_processes, frozen=True)
+        model._hyperacc_layout = "frozen"
+        return model.eval()
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         if getattr(optimizer, "_is_accelerate_prepared", False) or isinstance(optimizer, accelerate.optimizer.AcceleratedOptimizer):

@@ -27,13 +27,16 @@ __all__ = ["check_model", "shard_and_fill"]
 
 
 def shard_and_fill(model: nn.Module, *, kind: ModelKind, mesh, fsdp_config, device: torch.device, seed: int,
-                   num_processes: int, parallelize_fn: Optional[Callable] = None) -> Dict[str, nn.Parameter]:
+                   num_processes: int, parallelize_fn: Optional[Callable] = None,
+                   frozen: bool = False) -> Dict[str, nn.Parameter]:
     """Shard ``model`` in place on ``mesh`` (a `hyperacc.runtime.mesh.MeshInfo`) and give every rank its
     slices of the weights: pretrained (`hyperacc.models.load_pretrained(..., accelerator=)`),
     rank 0's, the model's own, or initialised from ``seed``. ``kind``: what `check_model` returned
     for it. ``parallelize_fn``: replaces `hyperacc.sharding.parallelize` (same arguments). Returns the
     parameters as they were before sharding, by name (what the user's optimizer holds, for
-    `hyperacc.sharding.rebind.rebind_optimizer`)."""
+    `hyperacc.sharding.rebind.rebind_optimizer`). ``frozen``: a model that is only run (a preference
+    trainer's reference): no parameter needs a gradient, and each keeps its stored dtype (no fp32 master copy
+    of a bf16 reference: it has no optimizer state to be exact for)."""
     check_not_sharded(model)
     if num_processes > 1 and rank0_only_weights_expected():
         broadcast_from_rank0(model, device)
@@ -43,7 +46,10 @@ def shard_and_fill(model: nn.Module, *, kind: ModelKind, mesh, fsdp_config, devi
     before = kind.before_sharding(model, device=device, seed=seed)    # collective: every rank, same order
     if not on_meta:
         model.to(device)
-    cast_parameters(model, get_recipe(fsdp_config.precision).param_dtype, keep=kind.keeps_dtype(model))
+    if frozen:
+        model.requires_grad_(False)
+    cast_parameters(model, get_recipe(fsdp_config.precision).param_dtype, keep=kind.keeps_dtype(model),
+                    keep_frozen=frozen)
     (parallelize_fn or parallelize)(model, mesh, fsdp_config)
     allocate_shards(model, mesh, fsdp_config, device, seed, on_meta=on_meta, initialize=pretrained is None)
     weights.fill_shards(model, pretrained)      # no-op without files
