@@ -202,6 +202,10 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
         model_setup.shard_and_fill(model, kind=kind, mesh=self._mesh, fsdp_config=self.fsdp_config,
                                    parallelize_fn=self._parallelize_fn, device=self.device, seed=self.seed,
                                    num_processes=self.num_processes, frozen=True)
+        # No backward follows its forward: the root unit (embeddings, head) is resharded too, as every block is,
+        # or it would stay gathered on every rank after the first forward (the whole head per rank).
+        if hasattr(model, "set_reshard_after_forward"):
+            model.set_reshard_after_forward(True)
         model._hyperacc_layout = "frozen"
         return model.eval()
 

@@ -26,19 +26,34 @@ import time
 
 import torch
 import torch.distributed as dist
-from datasets import Dataset
 from transformers import AutoTokenizer
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
 
 
-def pairs():
+def pairs(out):
+    """The pairs as a JSONL file read with `load_dataset` (a dataset with a cache directory: TRL's
+    precompute_ref_log_probs caches its log-probs there, where every rank finds rank 0's file; an in-memory
+    dataset's cache is per process, and TRL's precompute then fails on rank 1 on plain accelerate as well)."""
+    from datasets import load_dataset
+
+    path = os.path.join(out, "pairs.jsonl")
+    if int(os.environ.get("RANK", "0")) == 0 and not os.path.exists(path):
+        with open(path + ".tmp", "w") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in _rows())
+        os.replace(path + ".tmp", path)
+    while not os.path.exists(path):
+        time.sleep(0.05)
+    return load_dataset("json", data_files=path, split="train", cache_dir=os.path.join(out, "cache"))
+
+
+def _rows():
     rows = []
     for i in range(16):
         prompt = " ".join(WORDS[(i + k) % 16] for k in range(4))
         rows.append({"prompt": prompt, "chosen": " " + " ".join(WORDS[(i * 3 + k) % 16] for k in range(3)),
                      "rejected": " " + " ".join(WORDS[(i * 5 + 2 * k) % 16] for k in range(2))})
-    return Dataset.from_list(rows)
+    return rows
 
 
 def config(out, **overrides):
@@ -69,6 +84,8 @@ def record(trainer, start, extra=None):
            "ref_local_numel": None if ref is None else sum(
                (p.to_local() if hasattr(p, "to_local") else p).numel() for p in ref.parameters()),
            "ref_numel": None if ref is None else sum(p.numel() for p in ref.parameters()),
+           "policy_local_numel": sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                                     for p in trainer.model.parameters()),
            "ref_trainable": None if ref is None else sum(p.requires_grad for p in ref.parameters()),
            "global_step": trainer.state.global_step, **(extra or {})}
     return out
@@ -78,7 +95,7 @@ def run(name, base, out, tok):
     from peft import LoraConfig
 
     start = time.perf_counter()
-    data = pairs()
+    data = pairs(out)
     if name == "trl":
         import trl
 
