@@ -41,7 +41,7 @@ HEAVY_FIRST = ("test_example", "test_accelerate_compat", "test_fail_closed", "te
                "test_trainer", "test_core", "test_replicas", "test_fault_tolerance", "test_instruction_data",
                "test_streaming", "test_example_preflight", "test_checkpoint_dist", "test_checkpoint_edges",
                "test_iterable_data", "test_flag_fuzz", "test_precision", "test_weights", "test_peft",
-               "test_stream_resume", "test_accelerate_scripts")
+               "test_stream_resume", "test_accelerate_scripts", "test_preference")
 
 
 def _module_rank(item) -> int:

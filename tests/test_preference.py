@@ -1,0 +1,91 @@
+"""TRL's DPOTrainer on hyperacc (`hyperacc.integrations.trl`), on real processes (torchrun, gloo, CPU).
+
+tests/scripts/dpo_runs.py trains a tiny Qwen2 loaded by path (as `trl/scripts/dpo.py` loads it) on 16
+preference pairs read with `load_dataset`, global batch 4, fp32, 3 AdamW steps. Default run, two launches
+side by side: plain `trl.DPOTrainer` on accelerate and hyperacc's, full fine-tune, on 1 process; hyperacc's
+full fine-tune, with precomputed reference log-probs and with LoRA on 2 processes. Slow set: a full
+fine-tune killed right after its step-2 save resumes to the uninterrupted run's weights, bitwise.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+from dist_utils import REPO, run_torchrun, run_together  # noqa: E402
+
+SCRIPT = REPO / "tests" / "scripts" / "dpo_runs.py"
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from hyperacc.data.default_corpus import load_default_tokenizer
+
+    directory = tmp_path_factory.mktemp("dpo") / "base"
+    tok = load_default_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         max_position_embeddings=128)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
+    tok.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def runs(base_dir):
+    one, two = base_dir.parent / "one", base_dir.parent / "two"
+    run_together(lambda: run_torchrun(SCRIPT, 1, [base_dir, one, "trl", "full"], timeout=300),
+                 lambda: run_torchrun(SCRIPT, 2, [base_dir, two, "full", "precompute", "lora"], timeout=300))
+    read = lambda path: json.loads(path.read_text())  # noqa: E731
+    return {"trl": read(one / "trl.json"), "full1": read(one / "full.json"),
+            **{name: read(two / f"{name}.json") for name in ("full", "precompute", "lora")}}
+
+
+def test_first_loss_is_ln2_when_the_policy_is_the_reference(runs):
+    for name in ("trl", "full1", "full", "precompute", "lora"):
+        assert runs[name]["losses"][0] == pytest.approx(math.log(2), abs=1e-6), name
+
+
+def test_full_fine_tune_equals_plain_trl_on_one_and_two_processes(runs):
+    """The issue's failure ('NoneType' object has no attribute 'fsdp_dim_names') is this run."""
+    plain = runs["trl"]["losses"]
+    assert len(plain) == 3 and len(set(plain)) == 3
+    assert runs["full1"]["losses"] == pytest.approx(plain, abs=1e-5)
+    assert runs["full"]["losses"] == pytest.approx(plain, abs=1e-5)
+
+
+def test_the_reference_is_sharded_frozen_and_costs_its_shard(runs):
+    full = runs["full"]
+    assert full["ref_trainable"] == 0
+    # after training (forwards done): each rank holds half of the reference, as of the policy
+    assert full["ref_local_numel"] == full["policy_local_numel"] < full["ref_numel"]
+    assert runs["trl"]["ref_trainable"] > 0          # plain TRL's reference: whole, requires_grad left on
+
+
+def test_precomputed_reference_log_probs_equal_the_live_reference(runs):
+    assert runs["precompute"]["ref_numel"] is None    # no reference in memory while training
+    assert runs["precompute"]["losses"] == pytest.approx(runs["full"]["losses"], abs=1e-6)
+
+
+def test_lora_uses_the_base_as_its_reference(runs):
+    lora = runs["lora"]
+    assert lora["ref_numel"] is None
+    assert all(math.isfinite(x) for x in lora["losses"]) and lora["losses"][1] != lora["losses"][0]
+
+
+@pytest.mark.slow   # three launches; by default the Trainer's kill/resume is tests/test_trainer.py's
+def test_killed_after_a_save_resumes_bitwise(base_dir):
+    out = base_dir.parent / "resume"
+    run_torchrun(SCRIPT, 2, [base_dir, out, "full4"], timeout=300)
+    killed = run_torchrun(SCRIPT, 2, [base_dir, out, "save"], timeout=300, check=False)
+    assert killed.returncode != 0 and (out / "save" / "global_step_2").is_dir()
+    run_torchrun(SCRIPT, 2, [base_dir, out, "save"], env={"RESUME": "1"}, timeout=300)
+    full, resumed = (json.loads((out / f"{n}.json").read_text()) for n in ("full4", "save_resumed"))
+    assert resumed["global_step"] == 4 and resumed["digest"] == full["digest"]
+    assert resumed["losses"] == full["losses"]
