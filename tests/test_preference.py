@@ -1,9 +1,11 @@
-"""TRL's DPOTrainer on hyperacc (`hyperacc.integrations.trl`), on real processes (torchrun, gloo, CPU).
+"""TRL's DPO, KTO and reward trainers on hyperacc (`hyperacc.integrations.trl`), on real processes (torchrun,
+gloo, CPU).
 
 tests/scripts/dpo_runs.py trains a tiny Qwen2 loaded by path (as `trl/scripts/dpo.py` loads it) on 16
 preference pairs read with `load_dataset`, global batch 4, fp32, 3 AdamW steps. Default run, two launches
-side by side: plain `trl.DPOTrainer` on accelerate and hyperacc's, full fine-tune, on 1 process; hyperacc's
-full fine-tune, with precomputed reference log-probs and with LoRA on 2 processes. Slow set: a full
+side by side: plain `trl.DPOTrainer`, `KTOTrainer`, `RewardTrainer` on accelerate and hyperacc's DPO full
+fine-tune on 1 process; hyperacc's DPO full fine-tune, with precomputed reference log-probs and with LoRA, its
+KTO (full: a sharded reference too) and its reward model on 2 processes. Slow set: a full
 fine-tune killed right after its step-2 save resumes to the uninterrupted run's weights, bitwise.
 """
 import json
@@ -40,11 +42,13 @@ def base_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(base_dir):
     one, two = base_dir.parent / "one", base_dir.parent / "two"
-    run_together(lambda: run_torchrun(SCRIPT, 1, [base_dir, one, "trl", "full"], timeout=300),
-                 lambda: run_torchrun(SCRIPT, 2, [base_dir, two, "full", "precompute", "lora"], timeout=300))
+    run_together(lambda: run_torchrun(SCRIPT, 1, [base_dir, one, "trl", "full", "trl_kto", "trl_reward"], timeout=300),
+                 lambda: run_torchrun(SCRIPT, 2, [base_dir, two, "full", "precompute", "lora", "kto", "reward"],
+                                      timeout=300))
     read = lambda path: json.loads(path.read_text())  # noqa: E731
     return {"trl": read(one / "trl.json"), "full1": read(one / "full.json"),
-            **{name: read(two / f"{name}.json") for name in ("full", "precompute", "lora")}}
+            **{name: read(one / f"{name}.json") for name in ("trl_kto", "trl_reward")},
+            **{name: read(two / f"{name}.json") for name in ("full", "precompute", "lora", "kto", "reward")}}
 
 
 def test_first_loss_is_ln2_when_the_policy_is_the_reference(runs):
@@ -79,6 +83,15 @@ def test_lora_uses_the_base_as_its_reference(runs):
     assert all(math.isfinite(x) for x in lora["losses"]) and lora["losses"][1] != lora["losses"][0]
 
 
+def test_kto_and_reward_models_train_as_plain_trl(runs):
+    """KTO (its reference sharded frozen as DPO's) and a reward model, 2 processes vs plain TRL on 1."""
+    for name in ("kto", "reward"):
+        plain = runs[f"trl_{name}"]["losses"]
+        assert len(plain) == 3 and len(set(plain)) == 3, name
+        assert runs[name]["losses"] == pytest.approx(plain, abs=1e-5), name
+    assert runs["kto"]["ref_trainable"] == 0 and runs["kto"]["ref_local_numel"] == runs["kto"]["ref_numel"] // 2
+
+
 @pytest.mark.slow   # three launches; by default the Trainer's kill/resume is tests/test_trainer.py's
 def test_killed_after_a_save_resumes_bitwise(base_dir):
     out = base_dir.parent / "resume"
@@ -89,3 +102,20 @@ def test_killed_after_a_save_resumes_bitwise(base_dir):
     full, resumed = (json.loads((out / f"{n}.json").read_text()) for n in ("full4", "save_resumed"))
     assert resumed["global_step"] == 4 and resumed["digest"] == full["digest"]
     assert resumed["losses"] == full["losses"]
+
+
+def test_a_generating_trainer_is_refused_in_one_line(tmp_path, base_dir):
+    """GRPO through the mixin: refused when the Accelerator would be built (before any process group)."""
+    import trl
+    from datasets import Dataset
+
+    from hyperacc.integrations.transformers import HyperaccTrainerMixin
+
+    class GRPOOnHyperacc(HyperaccTrainerMixin, trl.GRPOTrainer):
+        pass
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=2, num_generations=2,
+                          max_steps=1, report_to=[], use_cpu=True, max_completion_length=4)
+    with pytest.raises(NotImplementedError, match=r"GRPOConfig: a trainer that generates its own completions"):
+        GRPOOnHyperacc(model=str(base_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                       args=args, train_dataset=Dataset.from_dict({"prompt": ["a b", "c d"]}))

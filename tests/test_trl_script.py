@@ -27,33 +27,33 @@ from dist_utils import run_accelerate, run_torchrun  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_STEPS, SAVE_STEPS = 4, 2
-IMPORT = "from hyperacc.integrations.trl import SFTTrainer"
 TRL_LINE = re.compile(r"^(\s*)from trl import (.*)$")
 
 
-def _patched_script(dest: Path) -> Path:
-    """trl/scripts/sft.py with `SFTTrainer` imported from hyperacc: exactly one line differs."""
+def _patched_script(dest: Path, name: str = "sft", trainer: str = "SFTTrainer") -> Path:
+    """trl/scripts/<name>.py with ``trainer`` imported from hyperacc: exactly one line differs."""
     import trl
 
-    source = Path(trl.__file__).parent / "scripts" / "sft.py"
+    source = Path(trl.__file__).parent / "scripts" / f"{name}.py"
     lines = source.read_text().splitlines(keepends=True)
     patched, done = [], 0
     for line in lines:
         match = TRL_LINE.match(line.rstrip("\n"))
         names = [n.strip() for n in match.group(2).split(",")] if match else []
-        if "SFTTrainer" in names:
-            rest = [n for n in names if n != "SFTTrainer"]
-            new = match.group(1) + (f"from trl import {', '.join(rest)}; " if rest else "") + IMPORT + "\n"
+        if trainer in names:
+            rest = [n for n in names if n != trainer]
+            new = (match.group(1) + (f"from trl import {', '.join(rest)}; " if rest else "")
+                   + f"from hyperacc.integrations.trl import {trainer}\n")
             patched.append(new)
             done += 1
         else:
             patched.append(line)
-    assert done == 1, f"{source}: expected one `from trl import ... SFTTrainer ...` line, found {done}"
+    assert done == 1, f"{source}: expected one `from trl import ... {trainer} ...` line, found {done}"
     diff = [d for d in difflib.unified_diff(lines, patched, n=0)
             if d[:1] in "+-" and not d.startswith(("+++", "---"))]
     assert len(diff) == 2 and diff[0].startswith("-") and diff[1].startswith("+"), diff
-    assert "SFTTrainer" in diff[0] and IMPORT in diff[1], diff
-    script = dest / "sft.py"
+    assert trainer in diff[0] and f"from hyperacc.integrations.trl import {trainer}" in diff[1], diff
+    script = dest / f"{name}.py"
     script.write_text("".join(patched))
     return script
 
@@ -169,3 +169,59 @@ def test_sft_script_lora(setup, tmp_path):
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b.values()), "LoRA B matrices are still zero: not trained"
     merged = model.merge_and_unload().state_dict()
     _assert_changed(initial, merged, initial)
+
+
+@pytest.fixture(scope="module")
+def dpo_setup(setup, tmp_path_factory):
+    """trl/scripts/dpo.py patched, and a local JSONL dataset of preference pairs (the SFT model directory)."""
+    root = tmp_path_factory.mktemp("trl_dpo")
+    script = _patched_script(root, "dpo", "DPOTrainer")
+    data_dir = root / "data"
+    data_dir.mkdir()
+    words = "red green blue cyan amber violet white black grey pink".split()
+    with open(data_dir / "train.jsonl", "w") as handle:
+        for i in range(32):
+            handle.write(json.dumps({"prompt": [{"role": "user", "content": f"Name a colour ({i})."}],
+                                     "chosen": [{"role": "assistant", "content": words[i % 5]}],
+                                     "rejected": [{"role": "assistant", "content": words[5 + i % 5]}]}) + "\n")
+    return script, setup[1], data_dir, setup[3]
+
+
+def _dpo_args(model_dir: Path, data_dir: Path, out: Path):
+    return ["--model_name_or_path", model_dir, "--dataset_name", data_dir, "--output_dir", out,
+            "--use_cpu", "--max_steps", MAX_STEPS, "--logging_steps", 1, "--save_steps", SAVE_STEPS,
+            "--report_to", "none", "--max_length", 64, "--per_device_train_batch_size", 2,
+            "--learning_rate", "1e-3", "--seed", 0, "--dtype", "float32", "--disable_tqdm", "true"]
+
+
+def test_dpo_script_full(dpo_setup, tmp_path):
+    """TRL's dpo.py, full fine-tune (its reference loaded from the same path and sharded by hyperacc),
+    `torchrun --nproc_per_node=2`: the failure the issue reports ('fsdp_dim_names') is this run."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    script, model_dir, data_dir, initial = dpo_setup
+    out = tmp_path / "out"
+    proc = run_torchrun(script, 2, _dpo_args(model_dir, data_dir, out), timeout=300)
+    losses = _check_run(proc, out)
+    assert abs(losses[0] - math.log(2)) < 1e-5, losses
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert set(loaded) == set(initial)
+    _assert_changed(initial, loaded, initial)
+
+
+@pytest.mark.slow     # LoRA DPO is in test_preference.py's default run
+def test_dpo_script_lora(dpo_setup, tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    script, model_dir, data_dir, initial = dpo_setup
+    out = tmp_path / "out"
+    proc = run_accelerate(script, REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml",
+                          [*_dpo_args(model_dir, data_dir, out), "--use_peft", "--lora_r", 4, "--lora_alpha", 8],
+                          timeout=300)
+    losses = _check_run(proc, out)
+    assert abs(losses[0] - math.log(2)) < 1e-5, losses
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out)
+    _assert_changed(initial, model.merge_and_unload().state_dict(), initial)

@@ -1,4 +1,5 @@
-"""TRL's DPOTrainer on hyperacc (or plain TRL on accelerate), on real processes; writes what each run did.
+"""TRL's DPO, KTO and reward trainers on hyperacc (or plain TRL on accelerate), on real processes; writes
+what each run did.
 
     dpo_runs.py BASE_DIR OUT_DIR RUN [RUN ...]
 
@@ -11,6 +12,10 @@ steps, seed 7. Each RUN, one after another in this launch:
   precompute  the same with ``precompute_ref_log_probs=True`` (no reference in memory while training)
   lora        the same with ``peft_config=LoraConfig(...)`` (the reference: the base with adapters disabled)
   trl         plain `trl.DPOTrainer` on accelerate (1 process only: the baseline)
+  kto         hyperacc.integrations.trl.KTOTrainer, full fine-tune, on the pairs unpaired (chosen: label
+              True, rejected: False); trl_kto: plain `trl.KTOTrainer`
+  reward      hyperacc.integrations.trl.RewardTrainer (a sequence-classification head on the base, loaded
+              by path), on prompt + chosen / prompt + rejected; trl_reward: plain `trl.RewardTrainer`
   full4       full, 4 steps, checkpoints at steps 2 and 4 (save_steps=2): the uninterrupted run
   save        the same, but the process dies (os._exit) right after the step-2 save; with RESUME=1 in the
               environment it resumes from LATEST instead and finishes (OUT/save_resumed.json)
@@ -91,10 +96,49 @@ def record(trainer, start, extra=None):
     return out
 
 
+def unpaired(out):
+    """The pairs as KTO's unpaired rows: (prompt, chosen, True) and (prompt, rejected, False)."""
+    from datasets import Dataset
+
+    rows = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
+            for r in pairs(out) for k in ("chosen", "rejected")]
+    return Dataset.from_list(rows)
+
+
+def joined(out):
+    """The pairs as a reward model's rows: prompt + chosen, prompt + rejected (implicit prompt)."""
+    return pairs(out).map(lambda r: {"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]},
+                          remove_columns=["prompt"])
+
+
+def run_other(name, base, out, tok, start):
+    """KTO and reward runs, hyperacc's or plain TRL's (``trl_`` prefix)."""
+    import trl
+
+    import hyperacc.integrations.trl as hyperacc_trl
+
+    plain = name.startswith("trl_")
+    kind = name[4:] if plain else name
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    common = dict(output_dir=os.path.join(out, name), per_device_train_batch_size=4 // world, max_steps=3,
+                  learning_rate=5e-3, seed=7, logging_steps=1, report_to=[], save_strategy="no", max_length=32,
+                  disable_tqdm=True, bf16=False, use_cpu=True, dataloader_drop_last=True)
+    if kind == "kto":
+        cls = trl.KTOTrainer if plain else hyperacc_trl.KTOTrainer
+        trainer = cls(model=base, args=trl.KTOConfig(**common), train_dataset=unpaired(out), processing_class=tok)
+    else:
+        cls = trl.RewardTrainer if plain else hyperacc_trl.RewardTrainer
+        trainer = cls(model=base, args=trl.RewardConfig(**common), train_dataset=joined(out), processing_class=tok)
+    trainer.train()
+    return record(trainer, start)
+
+
 def run(name, base, out, tok):
     from peft import LoraConfig
 
     start = time.perf_counter()
+    if name.endswith(("kto", "reward")):
+        return run_other(name, base, out, tok, start)
     data = pairs(out)
     if name == "trl":
         import trl
