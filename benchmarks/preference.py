@@ -77,7 +77,7 @@ def worker(out_path: str, engine: str, model_dir: str, steps: int) -> None:
                            cache_dir=os.path.join(os.path.dirname(out_path), f"cache-{engine}"))
     common = dict(output_dir=os.path.splitext(out_path)[0] + "-output", use_cpu=True, max_steps=steps,
                   learning_rate=1e-6, seed=0, logging_steps=1, save_strategy="no", report_to=[],
-                  disable_tqdm=True, max_length=SEQ, dataloader_num_workers=0)
+                  disable_tqdm=True, max_length=SEQ, dataloader_num_workers=0, bf16=False)   # TRL defaults to bf16
     if engine == "sft":
         args = trl.SFTConfig(**common, per_device_train_batch_size=2 * PAIRS, packing=False)
         cls = hyperacc_trl.SFTTrainer
