@@ -194,6 +194,7 @@ def _dpo_args(model_dir: Path, data_dir: Path, out: Path):
             "--learning_rate", "1e-3", "--seed", 0, "--dtype", "float32", "--disable_tqdm", "true"]
 
 
+@pytest.mark.slow     # by default the same 2-process DPO full fine-tune: test_preference.py's launch
 def test_dpo_script_full(dpo_setup, tmp_path):
     """TRL's dpo.py, full fine-tune (its reference loaded from the same path and sharded by hyperacc),
     `torchrun --nproc_per_node=2`: the failure the issue reports ('fsdp_dim_names') is this run."""
