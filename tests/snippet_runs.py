@@ -9,7 +9,9 @@ their snippets' results here.
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 import subprocess
 import sys
@@ -62,17 +64,33 @@ def wanted():
 _RESULTS: dict = {}
 
 
+def _shared_root(tmp_path_factory):
+    """Where the one launch runs: under pytest-xdist the directory every worker of this session shares (the
+    parent of the workers' own base temp), so that test_docs, test_readme and test_weights on two workers
+    read one launch (it ran once per worker before: 14 s of CPU twice); else a temp directory of its own."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / "snippets"
+        root.mkdir(exist_ok=True)
+        return root
+    return tmp_path_factory.mktemp("snippets")
+
+
 def snippet_results(tmp_path_factory) -> dict:
-    """{(code, in_repo): (exit code, stdout, stderr)} of `wanted()`, launched on the first call."""
+    """{(code, in_repo): (exit code, stdout, stderr)} of `wanted()`, launched on the first call (of any worker)."""
     if not _RESULTS:
-        root, specs = tmp_path_factory.mktemp("snippets"), []
-        for n, (code, in_repo) in enumerate(wanted()):
-            folder = root / str(n)
-            folder.mkdir()
-            (folder / "snippet.py").write_text(code)
-            specs.append(f"{folder / 'snippet.py'}:{REPO}" if in_repo else str(folder / "snippet.py"))
-        subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "run_snippets.py"), str(root / "codes.json"),
-                        *specs], cwd=root, env=_env(), check=True, timeout=300 * len(specs))
+        root, specs = _shared_root(tmp_path_factory), []
+        with open(root / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)        # the first worker launches; the others wait and read
+            for n, (code, in_repo) in enumerate(wanted()):
+                folder = root / str(n)
+                folder.mkdir(exist_ok=True)
+                (folder / "snippet.py").write_text(code)
+                specs.append(f"{folder / 'snippet.py'}:{REPO}" if in_repo else str(folder / "snippet.py"))
+            if not (root / "codes.json").is_file():
+                subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "run_snippets.py"),
+                                str(root / "codes.json.tmp"), *specs], cwd=root, env=_env(), check=True,
+                               timeout=300 * len(specs))
+                os.replace(root / "codes.json.tmp", root / "codes.json")
         codes = json.loads((root / "codes.json").read_text())
         assert list(codes) == specs, codes
         for key, spec in zip(wanted(), specs):

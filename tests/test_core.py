@@ -142,6 +142,10 @@ def test_optimizer_built_before_prepare_trains(two_process_runs):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+# Slow (a launch of its own, 12 s of CPU): by default the same config file reaches hyperacc in every
+# `accelerate launch` of the suite, its fields checked by test_example_preflight.py's dense run (no block class
+# named: the model's own blocks wrapped, no warning) and test_example.py (2 processes, FSDP2).
+@pytest.mark.slow
 def test_accelerate_launch_config_reaches_hyperacc():
     proc = run_accelerate(REPO / "tests" / "scripts" / "accelerate_env_probe.py",
                           REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml")
