@@ -4,9 +4,9 @@ Three 2-process launches serve every assertion (module-scoped fixtures; the base
   baseline  - `make demo` (the Makefile's flags: the default config, 30 steps, production mode, uninterrupted,
               a checkpoint at the end) in a pseudo-terminal, as tests/test_demo_output.py runs it: its
               metrics.jsonl is the baseline, and its screen is checked here (one screen, one bar, the summary);
-  resume    - run 1: validate mode, stopped after step 10 with a save at 10 (lr_scheduler.total_steps=30,
+  resume    - run 1: validate mode, stopped after step 5 with a save at 5 (lr_scheduler.total_steps=30,
               so the baseline's lr schedule); run 2: production mode, --checkpoint.restore_from=LATEST,
-              to step 20 (the same schedule: 10 resumed steps compared with the baseline's), appending
+              to step 10 (the same schedule: 5 resumed steps compared with the baseline's), appending
               to the same JSONL;
   nan       - validate mode with a NaN planted at step 3 on rank 1 (tests/scripts/train_qwen_nan.py).
 Config errors run in this process through the example's main() (one of them also as a plain `python`
@@ -24,7 +24,7 @@ from test_demo_output import assert_demo_screen, run_demo
 
 SCRIPT = REPO / "examples" / "train_qwen.py"
 CPU2 = REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml"
-STEPS, STOP, END = 30, 10, 20      # the baseline's steps; the resume's: stopped at STOP, resumed to END
+STEPS, STOP, END = 30, 5, 10       # the baseline's steps; the resume's: stopped at STOP, resumed to END
 
 
 def _records(path):

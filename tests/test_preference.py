@@ -126,3 +126,32 @@ def test_a_generating_trainer_is_refused_in_one_line(tmp_path, base_dir):
     with pytest.raises(NotImplementedError, match=r"GRPOConfig: a trainer that generates its own completions"):
         GRPOOnHyperacc(model=str(base_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                        args=args, train_dataset=Dataset.from_dict({"prompt": ["a b", "c d"]}))
+
+
+def test_evaluation_mode_prepares_a_frozen_model_outside_the_checkpoints(base_dir):
+    """`Accelerator.prepare_model(model, evaluation_mode=True)`, the seam TRL's reference goes through, in this
+    process: frozen, its own dtype under the fp32-master recipe, eval mode, not among the checkpointed models;
+    preparing it again, or for training, is one clear error."""
+    from transformers import AutoModelForCausalLM
+
+    import hyperacc
+
+    acc = hyperacc.Accelerator(checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=3)
+    try:
+        policy = AutoModelForCausalLM.from_pretrained(str(base_dir))
+        ref = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.bfloat16)
+        policy = acc.prepare(policy)
+        prepared = acc.prepare_model(ref, evaluation_mode=True)
+        assert prepared is ref and not ref.training
+        assert all(not p.requires_grad and p.dtype == torch.bfloat16 for p in ref.parameters())
+        assert all(p.dtype == torch.float32 for p in policy.parameters())      # the policy: fp32 master weights
+        assert any(m is policy for m in acc._models) and not any(m is ref for m in acc._models)
+        ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.isfinite(ref(input_ids=ids).logits.float()).all()
+        with pytest.raises(ValueError, match="already prepared"):
+            acc.prepare_model(ref, evaluation_mode=True)
+        with pytest.raises(ValueError, match="prepared with evaluation_mode=True"):
+            acc.prepare(ref)
+    finally:
+        acc.end_training()

@@ -6,7 +6,8 @@ TRL's own options keep their meaning (``peft_config=`` LoRA through hyperacc's P
 padding-free, completion-only and assistant-only loss, ``precompute_ref_log_probs``): TRL prepares the data and
 computes the loss; hyperacc shards, accumulates, checkpoints and resumes (`hyperacc.integrations.transformers`).
 
-The preference and RL trainers (DPO, KTO, GRPO, RLOO) keep a frozen reference model. On accelerate, TRL shards
+The preference trainers DPO and KTO keep a frozen reference model (GRPO and RLOO, which also generate during
+training, are refused in one line: `hyperacc.integrations.trainer_args`). On accelerate, TRL shards
 it with its FSDP helper, which reads accelerate's ``parallelism_config`` (None on hyperacc: a full fine-tune
 failed with "'NoneType' object has no attribute 'fsdp_dim_names'") and wraps the whole model as one unit (the
 whole reference gathered at once). Here, while TRL's constructor runs its own part (after `Trainer.__init__`),

@@ -2,9 +2,9 @@
 
     heartbeat_exit.py N
 
-N heartbeats (each its own store client, a 0.1 ms beat, never closed) on a local TCPStore; the script then
-returns. Without the atexit hook that stops them, a thread caught in a store set at finalization aborts
-the process ("terminate called without an active exception"): 22 of 30 exits with four of them, 10 of 10 with twelve.
+N heartbeats of N ranks (each its own store client, a 0.1 ms beat, never closed) on a local TCPStore; the
+script then returns. Without the atexit hook that stops them, a thread caught in a store set at finalization
+aborts the process ("terminate called without an active exception"): 5 of 5 exits with twelve.
 """
 import datetime
 import sys
@@ -15,8 +15,9 @@ import torch.distributed as dist
 from hyperacc.runtime.watchdog import Heartbeat
 
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
-beats = [Heartbeat(0, 2, store=dist.TCPStore("127.0.0.1", store.port, is_master=False), interval_s=0.0001)
-         for _ in range(int(sys.argv[1]))]
+count = int(sys.argv[1])      # one rank each: heartbeats of one rank replace each other (one thread per key)
+beats = [Heartbeat(rank, count, store=dist.TCPStore("127.0.0.1", store.port, is_master=False), interval_s=0.0001)
+         for rank in range(count)]
 deadline = time.monotonic() + 30          # a loaded machine (a test suite beside) schedules the threads late
 while not all(b._count > 2 for b in beats) and time.monotonic() < deadline:
     time.sleep(0.05)
