@@ -60,7 +60,7 @@ class Checkpointer:
         self.last_load_timings: dict = {}
         self.save_guards: list = []         # called on every rank before each save; raising stops it
         self._restored_from: Optional[str] = None   # the checkpoint this run resumed from
-        self._base_fingerprints = {}        # PEFT: the frozen base's fingerprint, once per model (frozen_base.py)
+        self._base_fingerprints = {}        # trainable-only kinds: the frozen base's fingerprint, once per model
         self._history_checked = False       # whether checkpoint_dir's history was checked (lifecycle.py)
         self._damaged: list = []            # checkpoints LATEST skipped as damaged in the last load
         self.saves_into_checkpoint_dir = True   # False: the caller's ``save`` writes elsewhere (automatic naming)
@@ -152,9 +152,9 @@ class Checkpointer:
 
         timings = {"prepare_dir": time.perf_counter() - start}
         models = buckets.as_list(state.models)
-        peft = buckets.adapters_only(cfg, models)
-        base = frozen_base.for_models(models, self.cpu_group, self._base_fingerprints) if peft else None
-        states = state.states(adapters_only=peft, optimizers=cfg.save_optimizer, device_type=self.device_type)
+        trainable_only = buckets.adapters_only(cfg, models)
+        base = frozen_base.for_models(models, self.cpu_group, self._base_fingerprints) if trainable_only else None
+        states = state.states(adapters_only=trainable_only, optimizers=cfg.save_optimizer, device_type=self.device_type)
         payload = state_dicts(states, DCP)       # model(s), optimizer(s): sharded
         tied = [{alias: kept for alias, kept in bucket.tied().items() if kept in payload[key]}   # stored once,
                 for key, bucket in select(states, DCP, ModelBucket).items()]      # under the kept key (for readers)
@@ -168,7 +168,7 @@ class Checkpointer:
                     "optimizers": len(select(states, DCP, OptimizerBucket)),
                     "schedulers": len(states["schedulers"].schedulers) if layout != "none" else 0,
                     "world_size": _comm.world_size(), "dp_size": int(state.dp_size),
-                    storage.TRAINABLE_ONLY_KEY: peft, "frozen_base": base, "seed": int(state.seed),
+                    storage.TRAINABLE_ONLY_KEY: trainable_only, "frozen_base": base, "seed": int(state.seed),
                     "precision": state.precision, "tied": tied}
 
         def write_own_files():
@@ -233,8 +233,9 @@ class Checkpointer:
             return None
         clock = PhaseClock()
         models = buckets.as_list(state.models)
-        peft = buckets.adapters_only(cfg, models)
-        states = state.states(adapters_only=peft, optimizers=cfg.restore_optimizer, device_type=self.device_type)
+        trainable_only = buckets.adapters_only(cfg, models)
+        states = state.states(adapters_only=trainable_only, optimizers=cfg.restore_optimizer,
+                              device_type=self.device_type)
         model_buckets, optimizers = select(states, DCP, ModelBucket), select(states, DCP, OptimizerBucket)
         for model in models:      # an evaluation forward leaves units unsharded: read the sharded parameters
             reshard(model)
@@ -246,11 +247,12 @@ class Checkpointer:
         clock.lap("verify")
         if path is None:
             return None
-        base = frozen_base.for_models(models, self.cpu_group) if peft else None     # fresh: checked as it is now
+        base = frozen_base.for_models(models, self.cpu_group) if trainable_only else None   # fresh: as it is now
         tied = [bucket.tied() for bucket in model_buckets.values()]
         plan = _comm.decide_on_rank0(
-            lambda: restore.plan_load(cfg, path, model_keys, live_groups, state, adapters_only=peft, frozen=base,
-                                      tied=tied, registered_objects=len(select(states, FILE))), self.cpu_group)
+            lambda: restore.plan_load(cfg, path, model_keys, live_groups, state, adapters_only=trainable_only,
+                                      frozen=base, tied=tied, registered_objects=len(select(states, FILE))),
+            self.cpu_group)
         clock.lap("plan")
 
         for (key, template), aliases, live in zip(templates.items(), plan.get("tied_copies") or [], tied):
