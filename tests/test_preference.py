@@ -155,3 +155,28 @@ def test_evaluation_mode_prepares_a_frozen_model_outside_the_checkpoints(base_di
             acc.prepare(ref)
     finally:
         acc.end_training()
+
+
+def test_a_nan_argument_is_refused_in_one_line(tmp_path, base_dir):
+    """DPOConfig(beta=nan) trains with a loss of exactly 0.0 on plain TRL/accelerate (nothing moves, nothing
+    says so); on hyperacc it is one line before any process group."""
+    import trl
+
+    from hyperacc.integrations.trl import DPOTrainer
+
+    args = trl.DPOConfig(output_dir=str(tmp_path / "nan"), beta=float("nan"), report_to=[], use_cpu=True,
+                         bf16=False)
+    with pytest.raises(ValueError, match=r"DPOConfig\.beta=nan: not a number"):
+        DPOTrainer(model=str(base_dir), args=args, train_dataset=_pairs_dataset(), processing_class=_tokenizer(base_dir))
+
+
+def _pairs_dataset():
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": "a b", "chosen": " c", "rejected": " d"}] * 4)
+
+
+def _tokenizer(base_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(base_dir))

@@ -34,6 +34,16 @@ _REFUSED = {
 }
 
 
+def nan_options(args) -> List[str]:
+    """The arguments set to NaN (``beta=float("nan")`` trains DPO with a loss of exactly 0.0 every step on plain
+    accelerate too: nothing moves and nothing says so). Infinity stays allowed (``max_grad_norm=inf``: no clip)."""
+    import dataclasses
+    import math
+
+    return [f"{type(args).__name__}.{field.name}=nan" for field in dataclasses.fields(args)
+            if isinstance(getattr(args, field.name, None), float) and math.isnan(getattr(args, field.name))]
+
+
 def refused_options(args) -> List[str]:
     """One message per TrainingArguments option hyperacc cannot honour (empty when all are fine)."""
     problems = [f"TrainingArguments.{name}={getattr(args, name)!r}: {why}"

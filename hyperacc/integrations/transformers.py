@@ -54,6 +54,9 @@ class HyperaccTrainerMixin:
         """hyperacc's Accelerator from the arguments `Trainer` would give accelerate's."""
         from accelerate.utils import DataLoaderConfiguration, FullyShardedDataParallelPlugin, GradientAccumulationPlugin
 
+        nans = trainer_args.nan_options(self.args)
+        if nans:
+            raise ValueError(f"{', '.join(nans)}: not a number. Set a finite value.")
         problems = trainer_args.refused_options(self.args)
         if problems:
             raise NotImplementedError("; ".join(problems))
