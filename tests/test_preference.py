@@ -1,11 +1,15 @@
-"""TRL's DPO, KTO and reward trainers on hyperacc (`hyperacc.integrations.trl`), on real processes (torchrun,
-gloo, CPU).
+"""TRL's DPO, KTO, reward, GRPO and RLOO trainers on hyperacc (`hyperacc.integrations.trl`), on real
+processes (torchrun, gloo, CPU).
 
 tests/scripts/dpo_runs.py trains a tiny Qwen2 loaded by path (as `trl/scripts/dpo.py` loads it) on 16
-preference pairs read with `load_dataset`, global batch 4, fp32, 3 AdamW steps. Default run, two launches
-side by side: plain `trl.DPOTrainer`, `KTOTrainer`, `RewardTrainer` on accelerate on 1 process; hyperacc's DPO full fine-tune, with precomputed reference log-probs and with LoRA, its
-KTO (full: a sharded reference too) and its reward model on 2 processes. Slow set: a full
-fine-tune killed right after its step-2 save resumes to the uninterrupted run's weights, bitwise.
+preference pairs read with `load_dataset`, global batch 4, fp32, 3 AdamW steps; its GRPO and RLOO runs
+(tests/scripts/grpo_runs.py) on 8 prompts with a toy reward, 4 completions each. Default run, three launches
+side by side: on 1 process plain `trl.DPOTrainer`, `KTOTrainer`, `RewardTrainer` on accelerate, hyperacc's
+GRPO and RLOO, and a resume inside a generation block; on 2 processes hyperacc's DPO full fine-tune, with
+precomputed reference log-probs and with LoRA, its KTO (full: a sharded reference too), its reward model, GRPO
+(full and LoRA) and RLOO; and tests/scripts/uneven_generate.py (ranks that stop generating at different
+lengths). Slow set: a DPO and a GRPO full fine-tune killed right after their step-2 saves resume to the
+uninterrupted runs' weights, bitwise.
 """
 import json
 import math
@@ -19,6 +23,7 @@ pytest.importorskip("peft")
 from dist_utils import REPO, run_torchrun, run_together  # noqa: E402
 
 SCRIPT = REPO / "tests" / "scripts" / "dpo_runs.py"
+UNEVEN = REPO / "tests" / "scripts" / "uneven_generate.py"
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +43,25 @@ def base_dir(tmp_path_factory):
     return directory
 
 
+ONE = ("trl", "trl_kto", "trl_reward", "grpo", "rloo", "grpo_midblock")
+TWO = ("full", "precompute", "lora", "kto", "reward", "grpo", "grpo_lora", "rloo")
+
+
 @pytest.fixture(scope="module")
 def runs(base_dir):
-    one, two = base_dir.parent / "one", base_dir.parent / "two"
-    run_together(lambda: run_torchrun(SCRIPT, 1, [base_dir, one, "trl", "trl_kto", "trl_reward"], timeout=300),
-                 lambda: run_torchrun(SCRIPT, 2, [base_dir, two, "full", "precompute", "lora", "kto", "reward"],
-                                      timeout=300))
+    """{run: record} of the 2-process launch, {"one/" + run: record} of the 1-process one; "uneven": the
+    2-process generation of tests/scripts/uneven_generate.py, rank by rank."""
+    one, two, uneven = (base_dir.parent / name for name in ("one", "two", "uneven"))
+    run_together(lambda: run_torchrun(SCRIPT, 1, [base_dir, one, *ONE], timeout=300),
+                 lambda: run_torchrun(SCRIPT, 2, [base_dir, two, *TWO], timeout=300),
+                 lambda: run_torchrun(UNEVEN, 2, [base_dir, uneven], timeout=120))
     read = lambda path: json.loads(path.read_text())  # noqa: E731
-    return {"trl": read(one / "trl.json"),
-            **{name: read(one / f"{name}.json") for name in ("trl_kto", "trl_reward")},
-            **{name: read(two / f"{name}.json") for name in ("full", "precompute", "lora", "kto", "reward")}}
+    return {**{f"one/{name}": read(one / f"{name}.json") for name in ONE},
+            **{name: read(one / f"{name}.json") for name in ("trl", "trl_kto", "trl_reward")},
+            **{name: read(two / f"{name}.json") for name in TWO},
+            "uneven": [read(uneven / f"rank{r}.json") for r in (0, 1)],
+            "weights": {name: (torch.load(one / f"{name}.pt"), torch.load(two / f"{name}.pt"))
+                        for name in ("grpo", "rloo")}}
 
 
 def test_first_loss_is_ln2_when_the_policy_is_the_reference(runs):
@@ -111,8 +125,92 @@ def test_killed_after_a_save_resumes_bitwise(base_dir):
     assert resumed["losses"] == full["losses"]
 
 
+def test_grpo_and_rloo_draw_the_same_completions_on_one_and_two_processes(runs):
+    """Each completion is drawn from noise seeded by its place in the global batch (seeded_sampling): 1 and 2
+    processes generate the same tokens at every step, and train to the same losses and weights (fp32)."""
+    for name in ("grpo", "rloo"):
+        one, two = runs[f"one/{name}"], runs[name]
+        assert len(one["completions"]) == 3 and [c["step"] for c in one["completions"]] == [0, 1, 2], name
+        assert all(len(c["ids"]) == 8 for c in one["completions"]), name
+        assert one["completions"] == two["completions"], name
+        distinct = {tuple(ids) for c in one["completions"] for ids in c["ids"]}
+        assert len(distinct) == 24, f"{name}: completions repeat: the draws are not per sample"
+        assert two["losses"] == pytest.approx(one["losses"], abs=1e-5), name
+        assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5), name
+        # on-policy, the loss is ~0 by construction (zero-mean advantages); the gradient is not
+        assert all(g > 1e-2 for g in one["grad_norms"]), f"{name}: no gradient: {one['grad_norms']}"
+        w1, w2 = runs["weights"][name]
+        assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4, name
+    # lengths differ (an EOS drawn at step 1): generation went on in step while some rows had ended
+    assert len({len(ids) for c in runs["grpo"]["completions"] for ids in c["ids"]}) > 1
+
+
+def test_grpo_shards_its_reference_and_trains_lora_without_one(runs):
+    grpo = runs["grpo"]
+    assert grpo["ref_trainable"] == 0 and grpo["ref_local_numel"] == grpo["ref_numel"] // 2
+    assert grpo["kl"][0] == 0 and grpo["kl"][-1] > 0               # the policy moves away from the reference
+    lora = runs["grpo_lora"]
+    assert lora["ref_numel"] is None
+    assert lora["completions"][0] == grpo["completions"][0]       # LoRA B = 0: the first policy is the base
+    assert lora["grad_norms"][0] > 0 and all(math.isfinite(x) for x in lora["losses"])
+
+
+def test_generation_on_the_sharded_policy_survives_ranks_that_stop_early(runs):
+    """Rank 0 wants 2 new tokens, rank 1 eight: without transformers' synced decoding (hyperacc marks its
+    sharded models FSDP-managed) rank 1 waits for ever on rank 0's weights (seen: 60 s timeout). Greedy
+    tokens equal an unsharded copy's; a LoRA model (whose generate bypasses the sharded root) samples."""
+    for rank, out in enumerate(runs["uneven"]):
+        new = 2 + 6 * rank
+        assert len(out["greedy"]) == len(out["prompt"]) + new and out["greedy"] == out["expected"], rank
+        assert len(out["sampled"]) == len(out["prompt"]) + new, rank
+
+
+def test_a_resume_inside_a_generation_block_is_refused(runs):
+    """TRL keeps a generation's completions in memory for num_iterations steps; a checkpoint between two
+    generations (here a user's callback asked for it) cannot resume as the run would have gone on."""
+    out = runs["one/grpo_midblock"]
+    assert out["global_step"] == 1
+    assert "saved at step 1, between two generations (every 2 steps)" in out["error"]
+
+
+def test_online_options_hyperacc_cannot_serve_are_refused_in_one_line(tmp_path, base_dir):
+    """vLLM, a save cadence inside generation blocks and a sampling option the seeded sampler cannot apply:
+    one NotImplementedError naming each, before the Accelerator exists."""
+    import trl
+    from datasets import Dataset
+
+    from hyperacc.integrations.trl import GRPOTrainer
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=2, num_generations=2,
+                          max_steps=4, report_to=[], use_cpu=True, max_completion_length=4, use_vllm=True,
+                          num_iterations=2, save_strategy="steps", save_steps=3,
+                          generation_kwargs={"typical_p": 0.5})
+    with pytest.raises(NotImplementedError) as caught:
+        GRPOTrainer(model=str(base_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                    args=args, train_dataset=Dataset.from_dict({"prompt": ["a b", "c d"]}))
+    message = str(caught.value)
+    assert "GRPOConfig.use_vllm=True" in message and "GRPOConfig.save_steps=3" in message
+    assert "multiple of 2" in message and "typical_p=0.5" in message
+    assert "\n" not in message
+
+
+@pytest.mark.slow   # three launches; the default GRPO runs check 1 vs 2 processes, test_trainer.py the Trainer's kill
+def test_grpo_killed_after_a_save_resumes_bitwise(base_dir):
+    """The completions after the resume are the uninterrupted run's (drawn by sample and step, not by the
+    restored generator alone), and so are the weights, bit for bit."""
+    out = base_dir.parent / "grpo_resume"
+    run_torchrun(SCRIPT, 2, [base_dir, out, "grpo4"], timeout=300)
+    killed = run_torchrun(SCRIPT, 2, [base_dir, out, "grpo_save"], timeout=300, check=False)
+    assert killed.returncode != 0 and (out / "grpo_save" / "global_step_2").is_dir()
+    run_torchrun(SCRIPT, 2, [base_dir, out, "grpo_save"], env={"RESUME": "1"}, timeout=300)
+    full, resumed = (json.loads((out / f"{n}.json").read_text()) for n in ("grpo4", "grpo_save_resumed"))
+    assert resumed["global_step"] == 4 and resumed["digest"] == full["digest"]
+    assert resumed["losses"] == full["losses"] and resumed["completions"] == full["completions"][2:]
+
+
 def test_a_generating_trainer_is_refused_in_one_line(tmp_path, base_dir):
-    """GRPO through the mixin: refused when the Accelerator would be built (before any process group)."""
+    """GRPO through the plain Trainer mixin (not the online one): refused when the Accelerator would be built
+    (before any process group), naming the classes that serve it."""
     import trl
     from datasets import Dataset
 
@@ -123,7 +221,8 @@ def test_a_generating_trainer_is_refused_in_one_line(tmp_path, base_dir):
 
     args = trl.GRPOConfig(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=2, num_generations=2,
                           max_steps=1, report_to=[], use_cpu=True, max_completion_length=4)
-    with pytest.raises(NotImplementedError, match=r"GRPOConfig: a trainer that generates its own completions"):
+    with pytest.raises(NotImplementedError, match=r"GRPOOnHyperacc: a trainer that generates its own completions "
+                                                  r".*HyperaccOnlineMixin first"):
         GRPOOnHyperacc(model=str(base_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                        args=args, train_dataset=Dataset.from_dict({"prompt": ["a b", "c d"]}))
 

@@ -64,11 +64,6 @@ def refused_options(args) -> List[str]:
     if pc is not None and (getattr(pc, "sp_size", 1) or 1) > 1:
         problems.append("TrainingArguments.parallelism_config.sp_size > 1: sequence parallelism (Ulysses) is "
                         "DeepSpeed's; hyperacc does not provide it. Set sp_size=1.")
-    if getattr(args, "num_generations", None) is not None:
-        problems.append(f"{type(args).__name__}: a trainer that generates its own completions during training "
-                        "(GRPO, RLOO) is not supported by hyperacc yet: generation on the sharded policy is not "
-                        "seeded per sample nor synchronised across ranks here. Run it on plain accelerate, or "
-                        "train offline preferences with hyperacc.integrations.trl.DPOTrainer / KTOTrainer.")
     return problems
 
 

@@ -49,6 +49,10 @@ TRAINER_STATE_NAME = transformers.trainer.TRAINER_STATE_NAME     # transformers'
 class HyperaccTrainerMixin:
     """Runs a `transformers.Trainer` (or subclass) on hyperacc's Accelerator and checkpoints."""
 
+    # A trainer that generates while training (TRL's GRPO, RLOO: ``args.num_generations``) needs the online
+    # mixin, which seeds each sample and keeps generation in step across ranks (`trl_online`).
+    _hyperacc_generation_seeded = False
+
     # ------------------------------------------------------------------ accelerator
     def create_accelerator_and_postprocess(self) -> None:
         """hyperacc's Accelerator from the arguments `Trainer` would give accelerate's."""
@@ -58,6 +62,12 @@ class HyperaccTrainerMixin:
         if nans:
             raise ValueError(f"{', '.join(nans)}: not a number. Set a finite value.")
         problems = trainer_args.refused_options(self.args)
+        if getattr(self.args, "num_generations", None) is not None and not self._hyperacc_generation_seeded:
+            problems.append(f"{type(self).__name__}: a trainer that generates its own completions during training "
+                            f"({type(self.args).__name__}.num_generations) through HyperaccTrainerMixin: its sampling "
+                            "would depend on the rank and its generation could leave ranks waiting. Use "
+                            "hyperacc.integrations.trl.GRPOTrainer / RLOOTrainer, or put "
+                            "hyperacc.integrations.trl.HyperaccOnlineMixin first in your class.")
         if problems:
             raise NotImplementedError("; ".join(problems))
         options = self.args.accelerator_config.to_dict()

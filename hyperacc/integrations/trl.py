@@ -1,67 +1,26 @@
 """hyperacc as the engine under TRL's trainers: same constructors, one import.
 
-    from hyperacc.integrations.trl import SFTTrainer, DPOTrainer   # instead of: from trl import ...
+    from hyperacc.integrations.trl import SFTTrainer, DPOTrainer, GRPOTrainer  # instead of: from trl import ...
 
 TRL's own options keep their meaning (``peft_config=`` LoRA through hyperacc's PEFT support, packing,
-padding-free, completion-only and assistant-only loss, ``precompute_ref_log_probs``): TRL prepares the data and
-computes the loss; hyperacc shards, accumulates, checkpoints and resumes (`hyperacc.integrations.transformers`).
-
-The preference trainers DPO and KTO keep a frozen reference model (GRPO and RLOO, which also generate during
-training, are refused in one line: `hyperacc.integrations.trainer_args`). On accelerate, TRL shards
-it with its FSDP helper, which reads accelerate's ``parallelism_config`` (None on hyperacc: a full fine-tune
-failed with "'NoneType' object has no attribute 'fsdp_dim_names'") and wraps the whole model as one unit (the
-whole reference gathered at once). Here, while TRL's constructor runs its own part (after `Trainer.__init__`),
-the trainer reports no FSDP, so TRL takes its generic branch, ``accelerator.prepare_model(ref,
-evaluation_mode=True)``: hyperacc shards the reference block by block on the policy's mesh, frozen, in its own
-dtype, outside the checkpoints. With LoRA there is no reference copy (TRL disables the adapters), and
-``precompute_ref_log_probs`` runs the policy before it is sharded, as TRL does without FSDP.
+padding-free, completion-only and assistant-only loss, ``precompute_ref_log_probs``, reward functions): TRL
+prepares the data, generates and computes the loss; hyperacc shards, accumulates, checkpoints and resumes
+(`hyperacc.integrations.transformers`). A frozen reference model is sharded on the policy's mesh
+(`hyperacc.integrations.trl_reference`); the online trainers' completions are seeded per sample and their
+generation kept in step across ranks (`hyperacc.integrations.trl_online`). Any other TRL trainer built on
+`Trainer` runs with ``class MyTrainer(HyperaccTRLMixin, trl.SomeTrainer)``.
 `trl` is an optional extra (``pip install hyperacc[trl]``): it is imported only by this module.
 """
 from __future__ import annotations
 
-import inspect
-import weakref
-
-import transformers
 import trl
 
 from hyperacc.integrations.transformers import HyperaccTrainerMixin
+from hyperacc.integrations.trl_online import HyperaccOnlineMixin
+from hyperacc.integrations.trl_reference import HyperaccTRLMixin
 
-
-class _OwnSetup(transformers.TrainerCallback):
-    """Marks the end of `Trainer.__init__` (``on_init_end``): from there until the TRL constructor returns,
-    the trainer reports no FSDP so that TRL prepares its reference through `Accelerator.prepare_model`."""
-
-    def __init__(self, trainer):
-        self.trainer = weakref.ref(trainer)
-
-    def on_init_end(self, args, state, control, **kwargs):
-        trainer = self.trainer()
-        if trainer is not None:
-            trainer.__dict__["_hyperacc_trl_own_setup"] = True
-
-
-class HyperaccTRLMixin(HyperaccTrainerMixin):
-    """`HyperaccTrainerMixin` for a TRL trainer with a reference model (see the module doc)."""
-
-    def __init__(self, *args, **kwargs):
-        parent = super().__init__
-        bound = inspect.signature(parent).bind(*args, **kwargs)
-        mark = _OwnSetup(self)
-        bound.arguments["callbacks"] = list(bound.arguments.get("callbacks") or []) + [mark]
-        try:
-            parent(*bound.args, **bound.kwargs)
-        finally:
-            self.__dict__["_hyperacc_trl_own_setup"] = False
-        self.remove_callback(mark)
-
-    @property
-    def is_fsdp_enabled(self) -> bool:
-        return self.__dict__.get("_hyperacc_fsdp", False) and not self.__dict__.get("_hyperacc_trl_own_setup", False)
-
-    @is_fsdp_enabled.setter
-    def is_fsdp_enabled(self, value: bool) -> None:
-        self.__dict__["_hyperacc_fsdp"] = bool(value)
+__all__ = ["SFTTrainer", "DPOTrainer", "KTOTrainer", "RewardTrainer", "GRPOTrainer", "RLOOTrainer",
+           "HyperaccTRLMixin", "HyperaccOnlineMixin"]
 
 
 class SFTTrainer(HyperaccTrainerMixin, trl.SFTTrainer):
@@ -78,3 +37,13 @@ class KTOTrainer(HyperaccTRLMixin, trl.KTOTrainer):
 
 class RewardTrainer(HyperaccTrainerMixin, trl.RewardTrainer):
     """`trl.RewardTrainer` on hyperacc: same constructor and arguments."""
+
+
+class GRPOTrainer(HyperaccOnlineMixin, trl.GRPOTrainer):
+    """`trl.GRPOTrainer` on hyperacc: same constructor and arguments; completions seeded per sample, the
+    reference (``beta > 0``) sharded frozen."""
+
+
+class RLOOTrainer(HyperaccOnlineMixin, trl.RLOOTrainer):
+    """`trl.RLOOTrainer` on hyperacc: same constructor and arguments; completions seeded per sample, the
+    reference (``beta > 0``) sharded frozen."""

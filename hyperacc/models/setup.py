@@ -54,4 +54,9 @@ def shard_and_fill(model: nn.Module, *, kind: ModelKind, mesh, fsdp_config, devi
     allocate_shards(model, mesh, fsdp_config, device, seed, on_meta=on_meta, initialize=pretrained is None)
     weights.fill_shards(model, pretrained)      # no-op without files
     kind.after_sharding(model, before, initialised=on_meta and pretrained is None)
+    # transformers' `generate` runs its decoding loop in step on every rank (``synced_gpus``) when the model
+    # is marked FSDP-managed: a rank whose sequences ended keeps calling the sharded forward, whose weight
+    # gathers are collectives, instead of leaving the others waiting for ever.
+    for module in model.modules():
+        module._is_fsdp_managed_module = True
     return originals

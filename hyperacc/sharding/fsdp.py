@@ -8,6 +8,8 @@ block's full parameters exist at a time; the root call covers what is left (embe
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import functools
 import warnings
@@ -275,3 +277,22 @@ def reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+@contextlib.contextmanager
+def root_gathered(model: nn.Module):
+    """``model``'s root unit (embeddings, final norm, head: the weights outside the blocks) gathered while
+    inside. For calls that run an inner module directly: transformers' `generate` on a PEFT model calls the
+    base model, not the `PeftModel` that is the sharded root, so the root's forward hook, which gathers those
+    weights, never fires ("got mixed torch.Tensor and DTensor"). Decoding also gathers them once per call
+    instead of once per token. The root is initialised first (FSDP2 takes the first unit to run forward
+    as the root, which here would be a block)."""
+    if not isinstance(model, FSDPModule):
+        yield model
+        return
+    model._get_fsdp_state()._lazy_init()    # no public equivalent in torch 2.6-2.13; a no-op once initialised
+    model.unshard()
+    try:
+        yield model
+    finally:
+        model.reshard()

@@ -19,6 +19,7 @@ steps, seed 7. Each RUN, one after another in this launch:
   full4       full, 4 steps, checkpoints at steps 2 and 4 (save_steps=2): the uninterrupted run
   save        the same, but the process dies (os._exit) right after the step-2 save; with RESUME=1 in the
               environment it resumes from LATEST instead and finishes (OUT/save_resumed.json)
+  grpo...     GRPO and RLOO runs: tests/scripts/grpo_runs.py
 
 Rank 0 writes OUT/<run>.json: per-step losses and rewards (the Trainer's log history), the trained
 parameters' sha256 (full tensors), the reference's parameter count on this rank, seconds.
@@ -137,6 +138,10 @@ def run(name, base, out, tok):
     from peft import LoraConfig
 
     start = time.perf_counter()
+    if name.startswith(("grpo", "rloo", "trl_grpo")):
+        import grpo_runs
+
+        return grpo_runs.run(name, base, out, tok)
     if name.endswith(("kto", "reward")):
         return run_other(name, base, out, tok, start)
     data = pairs(out)
@@ -180,7 +185,7 @@ def main():
         result = run(name, base, out, tok)
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == 0:
-            suffix = "_resumed" if name == "save" and os.environ.get("RESUME") else ""
+            suffix = "_resumed" if name in ("save", "grpo_save") and os.environ.get("RESUME") else ""
             with open(os.path.join(out, f"{name}{suffix}.json"), "w") as handle:
                 json.dump(result, handle, indent=1)
     if dist.is_initialized():

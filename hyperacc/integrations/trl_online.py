@@ -1,0 +1,105 @@
+"""TRL's online trainers (GRPO, RLOO) on hyperacc: they generate their own completions while training.
+
+Three things differ from the preference trainers (`hyperacc.integrations.trl`), each exact here:
+
+- **Completions do not depend on the layout.** TRL samples with the process's generator, seeded per rank
+  (``set_seed(seed, device_specific=True)``): 1 and 2 processes, or a resumed run, draw other completions
+  for the same prompts. Here sample ``i`` of the global generation batch at optimizer step ``s`` is drawn
+  from noise seeded by (``args.seed``, ``s``, ``i``, token place) (`seeded_sampling`); TRL's sampler gives
+  data-parallel rank ``r`` rows ``r * n ... r * n + n - 1`` of it, as hyperacc's loader does.
+- **No rank waits for ever.** Generating on a sharded policy is a collective per decoding step (each block
+  gathers its weights); a rank whose sequences all ended would stop calling it. hyperacc marks what it
+  shards as FSDP-managed (transformers' ``_is_fsdp_managed_module``), so `generate` runs with
+  ``synced_gpus``: finished ranks keep stepping until every rank is done.
+- **Resume is exact or refused.** TRL keeps the completions of one generation for ``steps_per_generation
+  x num_iterations`` micro-steps in memory, not in a checkpoint, and restarts its micro-step counter at 0: a
+  resume inside such a block would train on fresh completions with shifted block boundaries. Saves are
+  refused there up front (``save_steps`` a multiple of the block), resumes there refused, and the counter
+  restored at the block's start.
+
+What cannot be served is refused in one line before any collective: vLLM (not installed on this kind of
+machine; where it is, hyperacc does not drive it yet), transformers' continuous batching (each rank schedules
+its own batches: the sharded forward would desynchronise), and on several processes tool calling, environments
+and a custom ``rollout_func`` (ranks regenerate independently).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+from transformers import GenerationConfig
+
+from hyperacc.integrations import seeded_sampling
+from hyperacc.integrations.trl_reference import HyperaccTRLMixin
+
+
+def _refusals(args, arguments) -> list:
+    name = type(args).__name__
+    problems = []
+    if getattr(args, "use_vllm", False):
+        problems.append(f"{name}.use_vllm=True: hyperacc generates with transformers' generate on the sharded policy "
+                        "and does not drive vLLM. Set use_vllm=False (or run on plain accelerate with vLLM).")
+    if getattr(args, "use_transformers_continuous_batching", False):
+        problems.append(f"{name}.use_transformers_continuous_batching=True: each rank would schedule its own batches "
+                        "while the sharded forward needs every rank in step. Set it to False.")
+    if getattr(args, "world_size", 1) > 1:
+        for option in ("tools", "environment_factory", "rollout_func"):
+            if arguments.get(option):
+                problems.append(f"{option}=: on several processes each rank would run its own extra generation "
+                                "rounds on the sharded policy and the ranks would wait on each other for ever. "
+                                f"Train without {option} on hyperacc, or on one process.")
+    generation = GenerationConfig(**(getattr(args, "generation_kwargs", None) or {}))
+    unsupported = seeded_sampling.unsupported_options(generation)
+    if unsupported:
+        problems.append(f"{name}.generation_kwargs {', '.join(unsupported)}: hyperacc's per-sample seeded sampling "
+                        "applies temperature, top_k, top_p and min_p (and the non-sampling processors such as "
+                        "repetition_penalty) only. Drop them from generation_kwargs.")
+    block = _block(args)
+    strategy = getattr(getattr(args, "save_strategy", None), "value", getattr(args, "save_strategy", None))
+    if block > 1 and strategy == "steps" and args.save_steps >= 1 and int(args.save_steps) % block:
+        problems.append(f"{name}.save_steps={args.save_steps}: completions are generated once every {block} optimizer "
+                        "steps (steps_per_generation x num_iterations / gradient_accumulation_steps) and kept in "
+                        "memory, not in checkpoints, so a run resumed between two generations would not continue as "
+                        f"it would have. Set save_steps to a multiple of {block}.")
+    return problems
+
+
+def _block(args) -> int:
+    """Optimizer steps between two generations (a resume is exact at their boundaries)."""
+    micro = int(args.steps_per_generation or 1) * int(getattr(args, "num_iterations", 1) or 1)
+    accumulation = int(args.gradient_accumulation_steps or 1)
+    return math.lcm(micro, accumulation) // accumulation
+
+
+class HyperaccOnlineMixin(HyperaccTRLMixin):
+    """`HyperaccTRLMixin` for a TRL trainer that generates during training (see the module doc)."""
+
+    _hyperacc_generation_seeded = True
+
+    def __init__(self, *args, **kwargs):
+        bound = inspect.signature(super(HyperaccTRLMixin, self).__init__).bind(*args, **kwargs)   # TRL's
+        config = bound.arguments.get("args")
+        if config is not None:
+            problems = _refusals(config, bound.arguments)
+            if problems:
+                raise NotImplementedError("; ".join(problems))
+        super().__init__(*args, **kwargs)
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        """TRL's generation, with each sample drawn by its place in the global batch (module doc)."""
+        mode = "train" if self.model.training else "eval"
+        key = f"{mode}:{self.state.global_step}"
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        first = self.accelerator.dp_rank * len(prompt_ids)
+        with seeded_sampling.seeded_generate(model, seed=self.args.seed, key=key, first_index=first):
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        """Restores the buckets, then TRL's micro-step counter at the start of a generation block (module doc)."""
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        step = self.state.global_step
+        if step % _block(self.args):
+            raise RuntimeError(f"{resume_from_checkpoint} was saved at step {step}, between two generations (every "
+                               f"{_block(self.args)} steps): the completions in use then are not in the checkpoint. "
+                               f"Resume a checkpoint at a multiple of {_block(self.args)}.")
+        self._step = step * self.args.gradient_accumulation_steps
