@@ -226,3 +226,81 @@ def test_dpo_script_lora(dpo_setup, tmp_path):
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out)
     _assert_changed(initial, model.merge_and_unload().state_dict(), initial)
+
+
+TOY_REWARD = '''"""The reward of the grpo.py/rloo.py script tests: the share of even token ids in a completion."""
+
+
+def even_share(completions, completion_ids, **kwargs):
+    return [sum(1 for t in ids if t % 2 == 0) / max(1, len(ids)) for ids in completion_ids]
+'''
+
+
+@pytest.fixture(scope="module")
+def grpo_setup(setup, tmp_path_factory):
+    """trl/scripts/grpo.py patched, a local JSONL dataset of prompts, the toy reward as an importable module."""
+    root = tmp_path_factory.mktemp("trl_grpo")
+    script = _patched_script(root, "grpo", "GRPOTrainer")
+    data_dir = root / "data"
+    data_dir.mkdir()
+    words = "red green blue cyan amber violet white black grey pink".split()
+    with open(data_dir / "train.jsonl", "w") as handle:
+        for i in range(32):
+            handle.write(json.dumps({"prompt": f"{words[i % 10]} {words[(3 * i) % 10]} and"}) + "\n")
+    (root / "toy_rewards.py").write_text(TOY_REWARD)
+    return script, setup[1], data_dir, setup[3], root
+
+
+def _grpo_args(model_dir: Path, data_dir: Path, out: Path):
+    return ["--model_name_or_path", model_dir, "--dataset_name", data_dir, "--output_dir", out,
+            "--use_cpu", "--max_steps", MAX_STEPS, "--logging_steps", 1, "--save_steps", SAVE_STEPS,
+            "--report_to", "none", "--per_device_train_batch_size", 4, "--num_generations", 4,
+            "--max_completion_length", 8, "--reward_funcs", "toy_rewards.even_share", "--beta", "0.04",
+            "--learning_rate", "1e-2", "--seed", 0, "--dtype", "float32", "--disable_tqdm", "true"]
+
+
+def _grpo_env(root: Path) -> dict:
+    return {"PYTHONPATH": f"{root}:{REPO}"}        # grpo.py imports a dotted reward path
+
+
+def _check_grpo_run(proc, out: Path) -> None:
+    """As `_check_run`, on the gradient norms: on-policy GRPO's loss is ~0 by construction."""
+    assert "Training completed" in proc.stdout + proc.stderr, proc.stdout[-3000:]
+    ckpt = out / f"global_step_{MAX_STEPS}"
+    assert (ckpt / "trainer_state.json").is_file() and (out / f"global_step_{SAVE_STEPS}").is_dir()
+    assert not list(out.glob("checkpoint-*"))
+    history = [e for e in json.loads((ckpt / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+    assert len(history) == MAX_STEPS and all(math.isfinite(e["loss"]) and e["grad_norm"] > 0 for e in history)
+
+
+@pytest.mark.slow     # by default GRPO full and LoRA on 2 processes: test_preference.py's launch
+def test_grpo_script_full(grpo_setup, tmp_path):
+    """TRL's grpo.py, full fine-tune (beta > 0: its reference loaded from the same path, sharded by hyperacc),
+    `torchrun --nproc_per_node=2`; the saved model loads with transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    script, model_dir, data_dir, initial, root = grpo_setup
+    out = tmp_path / "out"
+    proc = run_torchrun(script, 2, _grpo_args(model_dir, data_dir, out), env=_grpo_env(root), timeout=300)
+    _check_grpo_run(proc, out)
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert set(loaded) == set(initial)
+    _assert_changed(initial, loaded, initial)
+
+
+@pytest.mark.slow     # LoRA GRPO is in test_preference.py's default run
+def test_grpo_script_lora(grpo_setup, tmp_path):
+    """grpo.py --use_peft under `accelerate launch` (hyperacc's 2-process FSDP2 config): the adapter loads."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    script, model_dir, data_dir, initial, root = grpo_setup
+    out = tmp_path / "out"
+    proc = run_accelerate(script, REPO / "accelerate_configs" / "cpu_fsdp2_2proc.yaml",
+                          [*_grpo_args(model_dir, data_dir, out), "--use_peft", "--lora_r", 4, "--lora_alpha", 8],
+                          env=_grpo_env(root), timeout=300)
+    _check_grpo_run(proc, out)
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out)
+    _assert_changed(initial, model.merge_and_unload().state_dict(), initial)
