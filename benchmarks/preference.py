@@ -23,7 +23,12 @@ constructor on (the reference is loaded and sharded in the constructor). MALLOC_
 oneDNN's primitive cache off, as in trainer.py. Goals (issue 42): hyperacc DPO / plain DPO step time
 <= 1.0, peak RSS per rank < 1; hyperacc DPO peak / hyperacc SFT peak <= 1.35.
 
-    python benchmarks/preference.py [--steps 6] [--layers 4] [--rounds 1] [--json F]
+``--trainer grpo``: `GRPOTrainer` instead, hyperacc vs plain TRL (no SFT run): GENERATIONS completions of up
+to COMPLETION tokens per rank and step from the same prompts, the toy reward `even_share`, beta 0.04 (a
+reference model); the step time includes generation (on hyperacc every decoding step gathers each block's
+weights, as FSDP2 does on accelerate; DDP holds them whole).
+
+    python benchmarks/preference.py [--trainer dpo|grpo] [--steps 6] [--layers 4] [--rounds 1] [--json F]
 """
 import argparse
 import json
@@ -46,6 +51,15 @@ MODEL = dict(vocab_size=VOCAB, hidden_size=768, intermediate_size=2048, num_atte
 ENGINES = {"plain": "trl.DPOTrainer on accelerate (DDP; whole policy and reference per rank)",
            "hyperacc": "hyperacc DPOTrainer (FSDP2 dp_shard=2; reference sharded frozen)",
            "sft": "hyperacc SFTTrainer, same rows (no reference)"}
+GRPO_ENGINES = {"grpo_plain": "trl.GRPOTrainer on accelerate (DDP; whole policy and reference per rank)",
+                "grpo_hyperacc": "hyperacc GRPOTrainer (FSDP2 dp_shard=2; reference sharded frozen; seeded "
+                                 "per-sample sampling, synced decoding)"}
+GENERATIONS, COMPLETION = 4, 32
+
+
+def even_share(completions, completion_ids, **kwargs):
+    """GRPO's toy reward: the share of even token ids in a completion."""
+    return [sum(1 for t in ids if t % 2 == 0) / max(1, len(ids)) for ids in completion_ids]
 
 
 def pairs(tokenizer, count: int) -> list:
@@ -78,9 +92,16 @@ def worker(out_path: str, engine: str, model_dir: str, steps: int) -> None:
     common = dict(output_dir=os.path.splitext(out_path)[0] + "-output", use_cpu=True, max_steps=steps,
                   learning_rate=1e-6, seed=0, logging_steps=1, save_strategy="no", report_to=[],
                   disable_tqdm=True, max_length=SEQ, dataloader_num_workers=0, bf16=False)   # TRL defaults to bf16
+    extra = {}
     if engine == "sft":
         args = trl.SFTConfig(**common, per_device_train_batch_size=2 * PAIRS, packing=False)
         cls = hyperacc_trl.SFTTrainer
+    elif engine.startswith("grpo"):
+        common.pop("max_length")
+        args = trl.GRPOConfig(**common, per_device_train_batch_size=GENERATIONS, num_generations=GENERATIONS,
+                              max_completion_length=COMPLETION, beta=0.04)
+        cls = hyperacc_trl.GRPOTrainer if engine == "grpo_hyperacc" else trl.GRPOTrainer
+        extra["reward_funcs"] = even_share
     else:
         args = trl.DPOConfig(**common, per_device_train_batch_size=PAIRS)
         cls = hyperacc_trl.DPOTrainer if engine == "hyperacc" else trl.DPOTrainer
@@ -104,7 +125,8 @@ def worker(out_path: str, engine: str, model_dir: str, steps: int) -> None:
     meter = Meter()
     reset_peak()
     base = status("VmRSS")
-    trainer = cls(model=model_dir, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[meter])
+    trainer = cls(model=model_dir, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[meter],
+                  **extra)
     trainer.train()
     record.update(times=[b - a for a, b in zip(meter.ends, meter.ends[1:])], train_peak=meter.train_peak,
                   whole_peak=max(meter.train_peak, record["constructor_peak"]))
@@ -176,11 +198,14 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1, help="launches per engine (the second round reversed)")
     parser.add_argument("--json", help="also write every launch's raw figures here")
+    parser.add_argument("--trainer", choices=("dpo", "grpo"), default="dpo",
+                        help="grpo: GRPOTrainer on hyperacc vs on accelerate instead (generation included)")
     args = parser.parse_args()
+    engines = GRPO_ENGINES if args.trainer == "grpo" else ENGINES
     order = []
     for i in range(args.rounds):
-        order += list(ENGINES) if i % 2 == 0 else list(reversed(ENGINES))
-    results = {engine: [] for engine in ENGINES}
+        order += list(engines) if i % 2 == 0 else list(reversed(engines))
+    results = {engine: [] for engine in engines}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hyperacc_preference_bench_") as tmp:
         model_dir = os.path.join(tmp, "model")
@@ -190,6 +215,8 @@ def main():
             results[engine].append(r)
             print(f"{engine}: {step_ms([r]):.0f} ms/step, peak (whole) "
                   f"{' / '.join(mib(x['whole_peak']) for x in r['ranks'])} MiB, {r['wall']:.0f} s", flush=True)
+    if args.trainer == "grpo":
+        return grpo_report(results, args, total, started)
     print(f"\nQwen3 dense, {args.layers} layers, hidden {MODEL['hidden_size']}, vocab {VOCAB} untied: {total / 1e6:.1f} M "
           f"parameters ({total * 4 / 2**20:.0f} MiB fp32); 2 CPU processes (torchrun, gloo, 1 thread each), fp32, "
           f"{PAIRS} pairs per rank and step (SFT: their {2 * PAIRS} rows), max_length {SEQ}, {args.steps} steps, "
@@ -212,6 +239,27 @@ def main():
           f"{worst(hyper, 'train_peak') / worst(sft, 'train_peak'):.3f} (goal <= 1.35), whole run "
           f"{worst(hyper, 'whole_peak') / worst(sft, 'whole_peak'):.3f}")
     print(f"first loss: plain {plain[0]['losses'][0]:.6f}, hyperacc {hyper[0]['losses'][0]:.6f} (ln 2 = 0.693147)")
+    print(f"total {time.perf_counter() - started:.0f} s")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
+
+
+def grpo_report(results: dict, args, total: int, started: float) -> None:
+    print(f"\nQwen3 dense, {args.layers} layers, {total / 1e6:.1f} M parameters, fp32; 2 CPU processes; GRPO: "
+          f"{GENERATIONS} completions of up to {COMPLETION} tokens per rank and step (one prompt per rank), beta "
+          f"0.04 (a reference model), {args.steps} steps, {args.rounds} launch(es) per engine; step time includes "
+          "generation. MiB per rank above the RSS before the trainer was built.")
+    print("| engine | ms/step (median) | peak, constructor | peak, training |")
+    print("|---|---|---|---|")
+    per_rank = lambda r, k: " / ".join(mib(x[k]) for x in r["ranks"])  # noqa: E731
+    for engine, runs in results.items():
+        print(f"| {GRPO_ENGINES[engine]} | {step_ms(runs):.0f} | {per_rank(runs[0], 'constructor_peak')} | "
+              f"{per_rank(runs[0], 'train_peak')} |")
+    plain, hyper = results["grpo_plain"], results["grpo_hyperacc"]
+    print(f"\nhyperacc GRPO / plain GRPO step time: {step_ms(hyper) / step_ms(plain):.3f}; peak RSS per rank: "
+          f"training {worst(hyper, 'train_peak') / worst(plain, 'train_peak'):.3f}, whole run "
+          f"{worst(hyper, 'whole_peak') / worst(plain, 'whole_peak'):.3f}")
     print(f"total {time.perf_counter() - started:.0f} s")
     if args.json:
         with open(args.json, "w") as handle:

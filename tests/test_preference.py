@@ -279,3 +279,16 @@ def _tokenizer(base_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(base_dir))
+
+
+@pytest.mark.slow   # one more launch; the default GRPO runs take one micro-batch per step
+def test_grpo_with_gradient_accumulation_equals_one_micro_batch(runs, base_dir):
+    """gradient_accumulation_steps=2 (TRL splits each generation in two micro-batches, shuffled per rank) on 2
+    processes: the same completions, losses and weights as the one-micro-batch run of the same global batch."""
+    out = base_dir.parent / "ga2"
+    run_torchrun(SCRIPT, 2, [base_dir, out, "grpo_ga2"], timeout=300)
+    ga2 = json.loads((out / "grpo_ga2.json").read_text())
+    assert ga2["completions"] == runs["grpo"]["completions"]
+    assert ga2["losses"] == pytest.approx(runs["grpo"]["losses"], abs=1e-5)
+    weights = torch.load(out / "grpo_ga2.pt")
+    assert max((weights[k] - runs["weights"]["grpo"][1][k]).abs().max().item() for k in weights) < 1e-4

@@ -22,7 +22,7 @@ import hashlib
 import torch
 import transformers
 
-from hyperacc.sharding.fsdp import root_gathered
+from hyperacc.sharding.fsdp import gathered_for_decoding
 
 # Generation options whose warpers this module applies itself (as `generate` builds them, same order).
 _WARPERS = ("temperature", "top_k", "top_p", "min_p")
@@ -80,17 +80,17 @@ def _warpers(config: transformers.GenerationConfig) -> list:
 
 
 @contextlib.contextmanager
-def seeded_generate(model: torch.nn.Module, *, seed: int, key: str, first_index: int):
+def seeded_generate(model: torch.nn.Module, *, seed: int, key: str, first_index: int, gather_whole: bool = False):
     """While inside, ``model.generate(..., generation_config=...)`` with ``do_sample=True`` samples row ``i``
     as sample ``first_index + i`` of draw ``key`` (see the module doc); greedy calls keep their meaning. Either
-    runs with the sharded root's weights gathered (`hyperacc.sharding.fsdp.root_gathered`: a PEFT model's
-    `generate` bypasses the root's forward)."""
+    runs with the sharded root's weights gathered, and with ``gather_whole`` every block's, for the call
+    (`hyperacc.sharding.fsdp.gathered_for_decoding`: a PEFT model's `generate` bypasses the root's forward)."""
     original = model.generate
 
     def generate(*args, generation_config=None, logits_processor=None, **kwargs):
         config = generation_config if generation_config is not None else model.generation_config
         if not config.do_sample:
-            with root_gathered(model):
+            with gathered_for_decoding(model, whole=gather_whole):
                 return original(*args, generation_config=generation_config, logits_processor=logits_processor,
                                 **kwargs)
         greedy = copy.deepcopy(config)
@@ -99,7 +99,7 @@ def seeded_generate(model: torch.nn.Module, *, seed: int, key: str, first_index:
             setattr(greedy, name, None)
         processors = transformers.LogitsProcessorList(list(logits_processor or []) + _warpers(config)
                                                       + [GumbelDraw(seed, key, first_index)])
-        with root_gathered(model):
+        with gathered_for_decoding(model, whole=gather_whole):
             return original(*args, generation_config=greedy, logits_processor=processors, **kwargs)
 
     model.generate = generate               # an instance attribute: this model only, this call only

@@ -91,7 +91,9 @@ class HyperaccOnlineMixin(HyperaccTRLMixin):
         key = f"{mode}:{self.state.global_step}"
         model = self.accelerator.unwrap_model(self.model_wrapped)
         first = self.accelerator.dp_rank * len(prompt_ids)
-        with seeded_sampling.seeded_generate(model, seed=self.args.seed, key=key, first_index=first):
+        whole = bool(getattr(self.args, "ds3_gather_for_generation", True))   # TRL's "gather for generation"
+        with seeded_sampling.seeded_generate(model, seed=self.args.seed, key=key, first_index=first,
+                                             gather_whole=whole):
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:

@@ -12,6 +12,7 @@ seed 7. The toy reward: the share of even token ids in a completion. Runs:
   trl_grpo    plain `trl.GRPOTrainer` on accelerate (1 process: the baseline of benchmarks/preference.py)
   grpo4       grpo, 4 steps, checkpoints at steps 2 and 4: the uninterrupted run
   grpo_save   the same, but the process dies right after the step-2 save; with RESUME=1 it resumes instead
+  grpo_ga2    grpo with gradient_accumulation_steps=2 (per device 4 / processes; TRL splits each generation in 2)
   grpo_midblock  num_iterations=2; saved at step 1 (inside a generation block), then resumed: the refusal
 
 Rank 0's record (dpo_runs.py writes it to OUT/<run>.json) adds to the log history every completion in the
@@ -65,6 +66,8 @@ def run(name, base, out, tok):
     overrides, kwargs = {}, {}
     if name in ("grpo4", "grpo_save"):
         overrides.update(max_steps=4, save_strategy="steps", save_steps=2)
+    if name == "grpo_ga2":       # 2 micro-batches per step: TRL splits each generation (steps_per_generation=2)
+        overrides.update(per_device_train_batch_size=4 // world, gradient_accumulation_steps=2)
     if name == "grpo_midblock":
         overrides.update(max_steps=2, num_iterations=2)
     if name == "grpo_lora":
@@ -78,6 +81,8 @@ def run(name, base, out, tok):
         config = _config(trl.GRPOConfig, os.path.join(out, name), world, **overrides)
     trainer = cls(model=str(base), reward_funcs=reward, args=config, train_dataset=prompts(), processing_class=tok,
                   **kwargs)
+    if name == "grpo_ga2":       # 2 micro-batches per step: TRL splits each generation (steps_per_generation=2)
+        overrides.update(per_device_train_batch_size=4 // world, gradient_accumulation_steps=2)
     if name == "grpo_midblock":
         return midblock(trainer, reward, base, tok)
     if name == "grpo_save" and not os.environ.get("RESUME"):
