@@ -104,3 +104,16 @@ def test_resume_from_a_file_names_the_directory(tmp_path):
     state.write_text("{}")
     with pytest.raises(NotADirectoryError, match="is a file, not a checkpoint: pass the global_step_<N> directory"):
         _trainer(tmp_path / "run").train(resume_from_checkpoint=str(state))
+
+
+def test_resuming_a_finished_run_trains_no_further_step(tmp_path):
+    """12 rows, batch 2: 6 steps per epoch; max_steps=3 ends inside the epoch. Resuming that last checkpoint
+    ran the rest of the epoch until the step-end check stopped it: one more step (learning rate 0, the
+    schedule over) and its checkpoint global_step_4. Now nothing more is trained or saved."""
+    trainer = _trainer(tmp_path, save_strategy="steps", save_steps=3)
+    trainer.train()
+    trainer.end()
+    again = _trainer(tmp_path, save_strategy="steps", save_steps=3)
+    again.train(resume_from_checkpoint=True)
+    assert again.state.global_step == 3
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("global_step")) == ["global_step_3"]

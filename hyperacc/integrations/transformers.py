@@ -233,6 +233,11 @@ class HyperaccTrainerMixin:
         kwargs["epoch"] += getattr(self, "_stream_epoch_shift", 0)
         if kwargs["resume_from_checkpoint"] is None or kwargs["epoch"] != kwargs["epochs_trained"]:
             return super()._run_epoch(**kwargs)
+        if 0 < self.state.max_steps <= self.state.global_step:
+            # The checkpoint is the run's last step. `Trainer` checks max_steps only after a step, so it
+            # would train one more (learning rate 0, the schedule over) and save it as global_step_<N+1>.
+            self.control.should_training_stop = True
+            return None
         epoch, done = self._data_position(kwargs["train_dataloader"], kwargs["epoch"],
                                           kwargs["steps_trained_in_current_epoch"])
         self._stream_epoch_shift = epoch - kwargs["epoch"]
