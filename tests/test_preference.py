@@ -292,3 +292,30 @@ def test_grpo_with_gradient_accumulation_equals_one_micro_batch(runs, base_dir):
     assert ga2["losses"] == pytest.approx(runs["grpo"]["losses"], abs=1e-5)
     weights = torch.load(out / "grpo_ga2.pt")
     assert max((weights[k] - runs["weights"]["grpo"][1][k]).abs().max().item() for k in weights) < 1e-4
+
+
+@pytest.mark.slow   # two more launches of a second model
+def test_grpo_on_a_moe_model_with_router_logits(tmp_path_factory):
+    """A Qwen3-MoE whose config asks for router logits (the aux loss): on plain TRL its generation fails in
+    transformers' aux-loss formula on a cached decoding step; here generation runs without them, training
+    adds transformers' per-micro-batch aux term (as the SFT integration does: a per-rank mean, so 1 and 2
+    processes differ by its share), and the completions are the same on 1 and 2 processes."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from hyperacc.data.default_corpus import load_default_tokenizer
+
+    root = tmp_path_factory.mktemp("grpo_moe")
+    tok = load_default_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+                            max_position_embeddings=128, output_router_logits=True, router_aux_loss_coef=0.01)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(root / "base"))
+    tok.save_pretrained(str(root / "base"))
+    run_together(lambda: run_torchrun(SCRIPT, 1, [root / "base", root / "one", "grpo"], timeout=300),
+                 lambda: run_torchrun(SCRIPT, 2, [root / "base", root / "two", "grpo"], timeout=300))
+    one, two = (json.loads((root / n / "grpo.json").read_text()) for n in ("one", "two"))
+    assert one["completions"] == two["completions"]
+    assert all(a is not None and 1.0 < a < 4.0 for a in one["aux_loss"] + two["aux_loss"])
+    assert two["losses"] == pytest.approx(one["losses"], abs=5e-4)

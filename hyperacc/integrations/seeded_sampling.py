@@ -89,6 +89,11 @@ def seeded_generate(model: torch.nn.Module, *, seed: int, key: str, first_index:
 
     def generate(*args, generation_config=None, logits_processor=None, **kwargs):
         config = generation_config if generation_config is not None else model.generation_config
+        if getattr(getattr(model, "config", None), "output_router_logits", False):
+            # An MoE model asked to return its router logits (for the aux loss in training) computes that loss
+            # in every decoding step too, where transformers' formula fails on a cached step ("size of tensor
+            # a (8) must match ... (96)": TRL's GRPO on plain accelerate stops there). Unused while generating.
+            kwargs.setdefault("output_router_logits", False)
         if not config.do_sample:
             with gathered_for_decoding(model, whole=gather_whole):
                 return original(*args, generation_config=generation_config, logits_processor=logits_processor,

@@ -140,6 +140,7 @@ def record(trainer, reward, name, out, start):
     ref = getattr(trainer, "ref_model", None)
     return {"losses": [e["loss"] for e in history], "grad_norms": [e.get("grad_norm") for e in history],
             "rewards": [e.get("reward") for e in history], "kl": [e.get("kl") for e in history],
+            "aux_loss": [e.get("aux_loss") for e in history],
             "completions": completions, "digest": digest(trainer.model),
             "ref_local_numel": None if ref is None else sum(
                 (p.to_local() if hasattr(p, "to_local") else p).numel() for p in ref.parameters()),
