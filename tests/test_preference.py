@@ -165,16 +165,19 @@ def test_generation_on_the_sharded_policy_survives_ranks_that_stop_early(runs):
         assert len(out["sampled"]) == len(out["prompt"]) + new, rank
 
 
-def test_a_resume_inside_a_generation_block_is_refused(runs):
+def test_a_resume_inside_a_generation_block_or_under_another_seed_is_refused(runs):
     """TRL keeps a generation's completions in memory for num_iterations steps; a checkpoint between two
     generations (here a user's callback asked for it) cannot resume as the run would have gone on."""
     out = runs["one/grpo_midblock"]
     assert out["global_step"] == 1
-    assert "saved at step 1, between two generations (every 2 steps)" in out["error"]
+    assert out["error"].startswith("RuntimeError") and "saved at step 1, between two generations (every 2 " in out["error"]
+    # first, the same checkpoint under another seed: the completions are keyed by it
+    assert out["seed_error"].startswith("ValueError") and "seed=7, this one has seed=8" in out["seed_error"]
 
 
 def test_online_options_hyperacc_cannot_serve_are_refused_in_one_line(tmp_path, base_dir):
-    """vLLM, a save cadence inside generation blocks and a sampling option the seeded sampler cannot apply:
+    """vLLM, a save cadence inside generation blocks, a sampling option the seeded sampler cannot apply and a
+    temperature of 0 (on plain TRL: an error at the first generation, after the models are built):
     one NotImplementedError naming each, before the Accelerator exists."""
     import trl
     from datasets import Dataset
@@ -184,13 +187,13 @@ def test_online_options_hyperacc_cannot_serve_are_refused_in_one_line(tmp_path, 
     args = trl.GRPOConfig(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=2, num_generations=2,
                           max_steps=4, report_to=[], use_cpu=True, max_completion_length=4, use_vllm=True,
                           num_iterations=2, save_strategy="steps", save_steps=3,
-                          generation_kwargs={"typical_p": 0.5})
+                          generation_kwargs={"typical_p": 0.5}, temperature=0.0)
     with pytest.raises(NotImplementedError) as caught:
         GRPOTrainer(model=str(base_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                     args=args, train_dataset=Dataset.from_dict({"prompt": ["a b", "c d"]}))
     message = str(caught.value)
     assert "GRPOConfig.use_vllm=True" in message and "GRPOConfig.save_steps=3" in message
-    assert "multiple of 2" in message and "typical_p=0.5" in message
+    assert "multiple of 2" in message and "typical_p=0.5" in message and "temperature=0.0" in message
     assert "\n" not in message
 
 

@@ -29,6 +29,7 @@ import math
 
 from transformers import GenerationConfig
 
+from hyperacc.checkpoint import storage
 from hyperacc.integrations import seeded_sampling
 from hyperacc.integrations.trl_reference import HyperaccTRLMixin
 
@@ -48,6 +49,10 @@ def _refusals(args, arguments) -> list:
                 problems.append(f"{option}=: on several processes each rank would run its own extra generation "
                                 "rounds on the sharded policy and the ranks would wait on each other for ever. "
                                 f"Train without {option} on hyperacc, or on one process.")
+    temperature = getattr(args, "temperature", 1.0)
+    if temperature is not None and not temperature > 0:
+        problems.append(f"{name}.temperature={temperature}: completions are sampled, and TRL divides the logits by "
+                        "it for the loss too: it must be positive (1.0 samples the model as it is).")
     generation = GenerationConfig(**(getattr(args, "generation_kwargs", None) or {}))
     unsupported = seeded_sampling.unsupported_options(generation)
     if unsupported:
@@ -97,7 +102,15 @@ class HyperaccOnlineMixin(HyperaccTRLMixin):
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        """Restores the buckets, then TRL's micro-step counter at the start of a generation block (module doc)."""
+        """Restores the buckets, then TRL's micro-step counter at the start of a generation block (module doc).
+        The completions are drawn from noise keyed by the run's seed: a resume under another seed would go on
+        with other completions than the run it continues, so it is refused."""
+        saved = (storage.read_sentinel(resume_from_checkpoint) or {}).get("seed")
+        if saved is not None and int(saved) != int(self.args.seed):
+            raise ValueError(f"{resume_from_checkpoint} was saved by a run with seed={saved}, this one has "
+                             f"seed={self.args.seed}: its completions are drawn from noise keyed by the seed, so "
+                             f"the resumed run would not continue the saved one. Resume with seed={saved}, or start "
+                             "a new run (without resume_from_checkpoint) from its weights.")
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         step = self.state.global_step
         if step % _block(self.args):

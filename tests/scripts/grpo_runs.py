@@ -13,7 +13,8 @@ seed 7. The toy reward: the share of even token ids in a completion. Runs:
   grpo4       grpo, 4 steps, checkpoints at steps 2 and 4: the uninterrupted run
   grpo_save   the same, but the process dies right after the step-2 save; with RESUME=1 it resumes instead
   grpo_ga2    grpo with gradient_accumulation_steps=2 (per device 4 / processes; TRL splits each generation in 2)
-  grpo_midblock  num_iterations=2; saved at step 1 (inside a generation block), then resumed: the refusal
+  grpo_midblock  num_iterations=2; saved at step 1 (inside a generation block), then resumed under another
+              seed, and under its own: the refusals
 
 Rank 0's record (dpo_runs.py writes it to OUT/<run>.json) adds to the log history every completion in the
 order of the global batch (rank 0's rows, then rank 1's), per generation, and the trained weights
@@ -50,7 +51,8 @@ class EvenShare:
 
 def _config(cls, out, world, **overrides):
     return cls(**{**dict(output_dir=out, per_device_train_batch_size=8 // world, num_generations=4,
-                         max_completion_length=12, temperature=1.0, max_steps=3, learning_rate=1e-2, seed=7,
+                         max_completion_length=12, temperature=1.0, max_steps=3, learning_rate=1e-2,
+                         seed=int(os.environ.get("SEED", "7")),
                          logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, bf16=False,
                          use_cpu=True, beta=0.04), **overrides})
 
@@ -100,7 +102,8 @@ def run(name, base, out, tok):
 
 def midblock(trainer, reward, base, tok):
     """num_iterations=2 (a generation every 2 steps); a callback of the user's asks for a save at step 1, inside
-    the block, and stops; the resume from it is refused, the message recorded."""
+    the block, and stops; the resume from it is refused, the message recorded; before that, a resume under
+    another seed (refused too)."""
     import trl
     from transformers import TrainerCallback
 
@@ -112,14 +115,18 @@ def midblock(trainer, reward, base, tok):
 
     trainer.add_callback(SaveAndStop())
     trainer.train()
-    saved = trainer.state.global_step
-    again = hyperacc_trl.GRPOTrainer(model=str(base), reward_funcs=reward, args=trainer.args,
-                                     train_dataset=prompts(), processing_class=tok)
-    try:
-        again.train(resume_from_checkpoint=True)
-    except RuntimeError as error:
-        return {"error": str(error), "global_step": saved}
-    return {"error": None, "global_step": saved}
+    out = {"global_step": trainer.state.global_step}
+    for key, seed in (("seed_error", trainer.args.seed + 1), ("error", trainer.args.seed)):
+        args = _config(trl.GRPOConfig, trainer.args.output_dir, int(os.environ.get("WORLD_SIZE", "1")),
+                       max_steps=2, num_iterations=2, seed=seed)
+        again = hyperacc_trl.GRPOTrainer(model=str(base), reward_funcs=reward, args=args, train_dataset=prompts(),
+                                         processing_class=tok)
+        try:
+            again.train(resume_from_checkpoint=True)
+            out[key] = None
+        except (RuntimeError, ValueError) as error:
+            out[key] = f"{type(error).__name__}: {error}"
+    return out
 
 
 def record(trainer, reward, name, out, start):
