@@ -43,8 +43,8 @@ def base_dir(tmp_path_factory):
     return directory
 
 
-ONE = ("trl", "trl_kto", "trl_reward", "grpo", "rloo", "grpo_midblock")
-TWO = ("full", "precompute", "lora", "kto", "reward", "grpo", "grpo_lora", "rloo")
+ONE = ("trl", "trl_kto", "trl_reward", "trl_sync", "grpo", "rloo", "grpo_midblock")
+TWO = ("full", "precompute", "lora", "kto", "reward", "sync", "grpo", "grpo_lora", "rloo")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def runs(base_dir):
                  lambda: run_torchrun(UNEVEN, 2, [base_dir, uneven], timeout=120))
     read = lambda path: json.loads(path.read_text())  # noqa: E731
     return {**{f"one/{name}": read(one / f"{name}.json") for name in ONE},
-            **{name: read(one / f"{name}.json") for name in ("trl", "trl_kto", "trl_reward")},
+            **{name: read(one / f"{name}.json") for name in ("trl", "trl_kto", "trl_reward", "trl_sync")},
             **{name: read(two / f"{name}.json") for name in TWO},
             "uneven": [read(uneven / f"rank{r}.json") for r in (0, 1)],
             "weights": {name: (torch.load(one / f"{name}.pt"), torch.load(two / f"{name}.pt"))
@@ -94,6 +94,14 @@ def test_lora_uses_the_base_as_its_reference(runs):
     lora = runs["lora"]
     assert lora["ref_numel"] is None
     assert all(math.isfinite(x) for x in lora["losses"]) and lora["losses"][1] != lora["losses"][0]
+
+
+def test_a_synced_reference_mixes_its_shards_as_plain_trl_mixes_whole_tensors(runs):
+    """sync_ref_model=True: TRL's own callback mixes the policy into the reference every step (alpha 0.5);
+    on hyperacc both are sharded alike, so it mixes shard into shard. 2 processes vs plain TRL on 1."""
+    plain, synced = runs["trl_sync"]["losses"], runs["sync"]["losses"]
+    assert synced == pytest.approx(plain, abs=1e-5)
+    assert abs(plain[1] - runs["trl"]["losses"][1]) > 1e-3        # the sync changed the reference
 
 
 def test_kto_and_reward_models_train_as_plain_trl(runs):

@@ -12,6 +12,8 @@ steps, seed 7. Each RUN, one after another in this launch:
   precompute  the same with ``precompute_ref_log_probs=True`` (no reference in memory while training)
   lora        the same with ``peft_config=LoraConfig(...)`` (the reference: the base with adapters disabled)
   trl         plain `trl.DPOTrainer` on accelerate (1 process only: the baseline)
+  sync        full with ``sync_ref_model=True`` (the sharded reference mixed with the policy every step,
+              alpha 0.5, by TRL's own callback); trl_sync: the same on plain TRL
   kto         hyperacc.integrations.trl.KTOTrainer, full fine-tune, on the pairs unpaired (chosen: label
               True, rejected: False); trl_kto: plain `trl.KTOTrainer`
   reward      hyperacc.integrations.trl.RewardTrainer (a sequence-classification head on the base, loaded
@@ -145,11 +147,12 @@ def run(name, base, out, tok):
     if name.endswith(("kto", "reward")):
         return run_other(name, base, out, tok, start)
     data = pairs(out)
-    if name == "trl":
+    sync = dict(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
+    if name in ("trl", "trl_sync"):
         import trl
 
-        trainer = trl.DPOTrainer(model=base, args=config(os.path.join(out, name)), train_dataset=data,
-                                 processing_class=tok)
+        trainer = trl.DPOTrainer(model=base, args=config(os.path.join(out, name), **(sync if name == "trl_sync" else {})),
+                                 train_dataset=data, processing_class=tok)
         trainer.train()
         return record(trainer, start)
     from hyperacc.integrations.trl import DPOTrainer
@@ -160,6 +163,8 @@ def run(name, base, out, tok):
         overrides["precompute_ref_log_probs"] = True
     if name == "lora":
         kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    if name == "sync":
+        overrides.update(sync)
     if name in ("save", "full4"):
         overrides.update(max_steps=4, save_strategy="steps", save_steps=2)
     trainer = DPOTrainer(model=base, args=config(os.path.join(out, name), **overrides), train_dataset=data,
