@@ -123,12 +123,7 @@ def test_one_process_equals_plain_trl_bitwise(base_dir):
 
 @pytest.mark.slow   # three launches; by default the Trainer's kill/resume is tests/test_trainer.py's
 def test_killed_after_a_save_resumes_bitwise(base_dir):
-    out = base_dir.parent / "resume"
-    run_torchrun(SCRIPT, 2, [base_dir, out, "full4"], timeout=300)
-    killed = run_torchrun(SCRIPT, 2, [base_dir, out, "save"], timeout=300, check=False)
-    assert killed.returncode != 0 and (out / "save" / "global_step_2").is_dir()
-    run_torchrun(SCRIPT, 2, [base_dir, out, "save"], env={"RESUME": "1"}, timeout=300)
-    full, resumed = (json.loads((out / f"{n}.json").read_text()) for n in ("full4", "save_resumed"))
+    full, resumed = _uninterrupted_and_resumed(base_dir.parent / "resume", base_dir, "full4", "save")
     assert resumed["global_step"] == 4 and resumed["digest"] == full["digest"]
     assert resumed["losses"] == full["losses"]
 
@@ -209,12 +204,7 @@ def test_online_options_hyperacc_cannot_serve_are_refused_in_one_line(tmp_path, 
 def test_grpo_killed_after_a_save_resumes_bitwise(base_dir):
     """The completions after the resume are the uninterrupted run's (drawn by sample and step, not by the
     restored generator alone), and so are the weights, bit for bit."""
-    out = base_dir.parent / "grpo_resume"
-    run_torchrun(SCRIPT, 2, [base_dir, out, "grpo4"], timeout=300)
-    killed = run_torchrun(SCRIPT, 2, [base_dir, out, "grpo_save"], timeout=300, check=False)
-    assert killed.returncode != 0 and (out / "grpo_save" / "global_step_2").is_dir()
-    run_torchrun(SCRIPT, 2, [base_dir, out, "grpo_save"], env={"RESUME": "1"}, timeout=300)
-    full, resumed = (json.loads((out / f"{n}.json").read_text()) for n in ("grpo4", "grpo_save_resumed"))
+    full, resumed = _uninterrupted_and_resumed(base_dir.parent / "grpo_resume", base_dir, "grpo4", "grpo_save")
     assert resumed["global_step"] == 4 and resumed["digest"] == full["digest"]
     assert resumed["losses"] == full["losses"] and resumed["completions"] == full["completions"][2:]
 
@@ -330,3 +320,13 @@ def test_grpo_on_a_moe_model_with_router_logits(tmp_path_factory):
     assert one["completions"] == two["completions"]
     assert all(a is not None and 1.0 < a < 4.0 for a in one["aux_loss"] + two["aux_loss"])
     assert two["losses"] == pytest.approx(one["losses"], abs=5e-4)
+
+
+def _uninterrupted_and_resumed(out, base_dir, full: str, killed: str):
+    """Records of run ``full`` (4 steps) and of run ``killed`` (the same, killed right after its step-2 save,
+    then resumed), each its own 2-process launch."""
+    run_torchrun(SCRIPT, 2, [base_dir, out, full], timeout=300)
+    proc = run_torchrun(SCRIPT, 2, [base_dir, out, killed], timeout=300, check=False)
+    assert proc.returncode != 0 and (out / killed / "global_step_2").is_dir()
+    run_torchrun(SCRIPT, 2, [base_dir, out, killed], env={"RESUME": "1"}, timeout=300)
+    return tuple(json.loads((out / f"{n}.json").read_text()) for n in (full, f"{killed}_resumed"))

@@ -171,19 +171,26 @@ def test_sft_script_lora(setup, tmp_path):
     _assert_changed(initial, merged, initial)
 
 
+WORDS = "red green blue cyan amber violet white black grey pink".split()
+
+
+def _script_and_data(tmp_path_factory, name: str, trainer: str, rows: list):
+    """(a fresh folder, trl/scripts/<name>.py patched in it, its data folder with ``rows`` as train.jsonl)."""
+    root = tmp_path_factory.mktemp(f"trl_{name}")
+    script = _patched_script(root, name, trainer)
+    data_dir = root / "data"
+    data_dir.mkdir()
+    (data_dir / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return root, script, data_dir
+
+
 @pytest.fixture(scope="module")
 def dpo_setup(setup, tmp_path_factory):
     """trl/scripts/dpo.py patched, and a local JSONL dataset of preference pairs (the SFT model directory)."""
-    root = tmp_path_factory.mktemp("trl_dpo")
-    script = _patched_script(root, "dpo", "DPOTrainer")
-    data_dir = root / "data"
-    data_dir.mkdir()
-    words = "red green blue cyan amber violet white black grey pink".split()
-    with open(data_dir / "train.jsonl", "w") as handle:
-        for i in range(32):
-            handle.write(json.dumps({"prompt": [{"role": "user", "content": f"Name a colour ({i})."}],
-                                     "chosen": [{"role": "assistant", "content": words[i % 5]}],
-                                     "rejected": [{"role": "assistant", "content": words[5 + i % 5]}]}) + "\n")
+    rows = [{"prompt": [{"role": "user", "content": f"Name a colour ({i})."}],
+             "chosen": [{"role": "assistant", "content": WORDS[i % 5]}],
+             "rejected": [{"role": "assistant", "content": WORDS[5 + i % 5]}]} for i in range(32)]
+    root, script, data_dir = _script_and_data(tmp_path_factory, "dpo", "DPOTrainer", rows)
     return script, setup[1], data_dir, setup[3]
 
 
@@ -239,14 +246,8 @@ def even_share(completions, completion_ids, **kwargs):
 @pytest.fixture(scope="module")
 def grpo_setup(setup, tmp_path_factory):
     """trl/scripts/grpo.py patched, a local JSONL dataset of prompts, the toy reward as an importable module."""
-    root = tmp_path_factory.mktemp("trl_grpo")
-    script = _patched_script(root, "grpo", "GRPOTrainer")
-    data_dir = root / "data"
-    data_dir.mkdir()
-    words = "red green blue cyan amber violet white black grey pink".split()
-    with open(data_dir / "train.jsonl", "w") as handle:
-        for i in range(32):
-            handle.write(json.dumps({"prompt": f"{words[i % 10]} {words[(3 * i) % 10]} and"}) + "\n")
+    rows = [{"prompt": f"{WORDS[i % 10]} {WORDS[(3 * i) % 10]} and"} for i in range(32)]
+    root, script, data_dir = _script_and_data(tmp_path_factory, "grpo", "GRPOTrainer", rows)
     (root / "toy_rewards.py").write_text(TOY_REWARD)
     return script, setup[1], data_dir, setup[3], root
 

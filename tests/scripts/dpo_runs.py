@@ -169,7 +169,14 @@ def run(name, base, out, tok):
         overrides.update(max_steps=4, save_strategy="steps", save_steps=2)
     trainer = DPOTrainer(model=base, args=config(os.path.join(out, name), **overrides), train_dataset=data,
                          processing_class=tok, **kwargs)
-    if name == "save" and not os.environ.get("RESUME"):
+    train_or_die(trainer, killed=name == "save")
+    return record(trainer, start)
+
+
+def train_or_die(trainer, killed: bool) -> None:
+    """``trainer.train()``; a ``killed`` run dies right after its first save, or with RESUME=1 in the
+    environment resumes from LATEST instead."""
+    if killed and not os.environ.get("RESUME"):
         from transformers import TrainerCallback
 
         class Die(TrainerCallback):
@@ -178,8 +185,7 @@ def run(name, base, out, tok):
                 os._exit(3)      # a kill right after the save: nothing else of this run survives
 
         trainer.add_callback(Die())
-    trainer.train(resume_from_checkpoint=True if name == "save" and os.environ.get("RESUME") else None)
-    return record(trainer, start)
+    trainer.train(resume_from_checkpoint=True if killed and os.environ.get("RESUME") else None)
 
 
 def main():

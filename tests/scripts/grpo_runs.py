@@ -87,16 +87,9 @@ def run(name, base, out, tok):
         overrides.update(per_device_train_batch_size=4 // world, gradient_accumulation_steps=2)
     if name == "grpo_midblock":
         return midblock(trainer, reward, base, tok)
-    if name == "grpo_save" and not os.environ.get("RESUME"):
-        from transformers import TrainerCallback
+    from dpo_runs import train_or_die
 
-        class Die(TrainerCallback):
-            def on_save(self, args, state, control, **kw):
-                dist.barrier()
-                os._exit(3)      # a kill right after the save: nothing else of this run survives
-
-        trainer.add_callback(Die())
-    trainer.train(resume_from_checkpoint=True if name == "grpo_save" and os.environ.get("RESUME") else None)
+    train_or_die(trainer, killed=name == "grpo_save")
     return record(trainer, reward, name, out, start)
 
 
