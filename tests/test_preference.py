@@ -3,11 +3,11 @@ processes (torchrun, gloo, CPU).
 
 tests/scripts/dpo_runs.py trains a tiny Qwen2 loaded by path (as `trl/scripts/dpo.py` loads it) on 16
 preference pairs read with `load_dataset`, global batch 4, fp32, 3 AdamW steps; its GRPO and RLOO runs
-(tests/scripts/grpo_runs.py) on 8 prompts with a toy reward, 4 completions each. Default run, three launches
+(tests/scripts/grpo_runs.py) on 8 prompts with a toy reward, 4 completions each. Default run, two launches
 side by side: on 1 process plain `trl.DPOTrainer`, `KTOTrainer`, `RewardTrainer` on accelerate, hyperacc's
 GRPO and RLOO, and a resume inside a generation block; on 2 processes hyperacc's DPO full fine-tune, with
 precomputed reference log-probs and with LoRA, its KTO (full: a sharded reference too), its reward model, GRPO
-(full and LoRA) and RLOO; and tests/scripts/uneven_generate.py (ranks that stop generating at different
+(full and LoRA), RLOO and tests/scripts/uneven_generate.py's check (ranks that stop generating at different
 lengths). Slow set: a DPO and a GRPO full fine-tune killed right after their step-2 saves resume to the
 uninterrupted runs' weights, bitwise.
 """
@@ -23,7 +23,6 @@ pytest.importorskip("peft")
 from dist_utils import REPO, run_torchrun, run_together  # noqa: E402
 
 SCRIPT = REPO / "tests" / "scripts" / "dpo_runs.py"
-UNEVEN = REPO / "tests" / "scripts" / "uneven_generate.py"
 
 
 @pytest.fixture(scope="module")
@@ -44,21 +43,21 @@ def base_dir(tmp_path_factory):
 
 
 ONE = ("trl", "trl_kto", "trl_reward", "trl_sync", "grpo", "rloo", "grpo_midblock")
-TWO = ("full", "precompute", "lora", "kto", "reward", "sync", "grpo", "grpo_lora", "rloo")
+TWO = ("full", "precompute", "lora", "kto", "reward", "sync", "grpo", "grpo_lora", "rloo", "uneven")
 
 
 @pytest.fixture(scope="module")
 def runs(base_dir):
     """{run: record} of the 2-process launch, {"one/" + run: record} of the 1-process one; "uneven": the
     2-process generation of tests/scripts/uneven_generate.py, rank by rank."""
-    one, two, uneven = (base_dir.parent / name for name in ("one", "two", "uneven"))
+    one, two = base_dir.parent / "one", base_dir.parent / "two"
+    uneven = two / "uneven"
     run_together(lambda: run_torchrun(SCRIPT, 1, [base_dir, one, *ONE], timeout=300),
-                 lambda: run_torchrun(SCRIPT, 2, [base_dir, two, *TWO], timeout=300),
-                 lambda: run_torchrun(UNEVEN, 2, [base_dir, uneven], timeout=120))
+                 lambda: run_torchrun(SCRIPT, 2, [base_dir, two, *TWO], timeout=300))
     read = lambda path: json.loads(path.read_text())  # noqa: E731
     return {**{f"one/{name}": read(one / f"{name}.json") for name in ONE},
             **{name: read(one / f"{name}.json") for name in ("trl", "trl_kto", "trl_reward", "trl_sync")},
-            **{name: read(two / f"{name}.json") for name in TWO},
+            **{name: read(two / f"{name}.json") for name in TWO if name != "uneven"},
             "uneven": [read(uneven / f"rank{r}.json") for r in (0, 1)],
             "weights": {name: (torch.load(one / f"{name}.pt"), torch.load(two / f"{name}.pt"))
                         for name in ("grpo", "rloo")}}

@@ -17,7 +17,9 @@ Three things differ from the preference trainers (`hyperacc.integrations.trl`), 
   refused there up front (``save_steps`` a multiple of the block), resumes there refused, and the counter
   restored at the block's start.
 
-What cannot be served is refused in one line before any collective: vLLM (not installed on this kind of
+Generation gathers the whole policy once per `generate` call when TRL's ``ds3_gather_for_generation`` is on
+(its default; ``False``: block by block at every token), and runs an MoE model without router logits
+(`seeded_sampling`). What cannot be served is refused in one line before any collective: vLLM (not installed on this kind of
 machine; where it is, hyperacc does not drive it yet), transformers' continuous batching (each rank schedules
 its own batches: the sharded forward would desynchronise), and on several processes tool calling, environments
 and a custom ``rollout_func`` (ranks regenerate independently).

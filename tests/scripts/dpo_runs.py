@@ -22,6 +22,7 @@ steps, seed 7. Each RUN, one after another in this launch:
   save        the same, but the process dies (os._exit) right after the step-2 save; with RESUME=1 in the
               environment it resumes from LATEST instead and finishes (OUT/save_resumed.json)
   grpo...     GRPO and RLOO runs: tests/scripts/grpo_runs.py
+  uneven      tests/scripts/uneven_generate.py's check, writing OUT/uneven/rank<r>.json
 
 Rank 0 writes OUT/<run>.json: per-step losses and rewards (the Trainer's log history), the trained
 parameters' sha256 (full tensors), the reference's parameter count on this rank, seconds.
@@ -140,6 +141,10 @@ def run(name, base, out, tok):
     from peft import LoraConfig
 
     start = time.perf_counter()
+    if name == "uneven":
+        import uneven_generate
+
+        return uneven_generate.run(str(base), os.path.join(out, "uneven"))
     if name.startswith(("grpo", "rloo", "trl_grpo")):
         import grpo_runs
 
@@ -195,7 +200,7 @@ def main():
     for name in runs:
         result = run(name, base, out, tok)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0:
+        if rank == 0 and result is not None:
             suffix = "_resumed" if name in ("save", "grpo_save") and os.environ.get("RESUME") else ""
             with open(os.path.join(out, f"{name}{suffix}.json"), "w") as handle:
                 json.dump(result, handle, indent=1)

@@ -1,6 +1,6 @@
 """transformers' `generate` on a model hyperacc sharded, with ranks that stop at different lengths.
 
-    uneven_generate.py BASE_DIR OUT_DIR
+    uneven_generate.py BASE_DIR OUT_DIR      (or the run ``uneven`` of tests/scripts/dpo_runs.py)
 
 Rank r asks for 2 + 6 r new tokens, greedily, from the tiny causal LM of BASE_DIR prepared by hyperacc's
 Accelerator (FSDP2 over every rank): rank 0 is done after 2 decoding steps while rank 1 still needs the
@@ -21,7 +21,11 @@ from hyperacc.integrations import seeded_sampling
 
 
 def main():
-    base, out = sys.argv[1], sys.argv[2]
+    run(sys.argv[1], sys.argv[2])
+
+
+def run(base: str, out: str) -> None:
+    """The whole check (also run as the ``uneven`` run of tests/scripts/dpo_runs.py's launch)."""
     acc = hyperacc.Accelerator(checkpoint=hyperacc.CheckpointConfig(save_ckpt=False), seed=3)
     rank = acc.process_index
     tok = AutoTokenizer.from_pretrained(base)
