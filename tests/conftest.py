@@ -37,8 +37,8 @@ def pytest_configure(config):
 # its module fixture's launches, stay on one worker). A worker takes the next file when it is free, so the
 # files that cost the most CPU go first and the run does not end with one worker busy and the other idle
 # (measured with HYPERACC_CPU_LOG=FILE, below; the rest keep their order).
-HEAVY_FIRST = ("test_example", "test_preference", "test_accelerate_compat", "test_fail_closed", "test_router_aux", "test_compile",
-               "test_trainer", "test_core", "test_replicas", "test_fault_tolerance", "test_instruction_data",
+HEAVY_FIRST = ("test_example", "test_preference", "test_accelerate_compat", "test_fail_closed", "test_router_aux",
+               "test_compile", "test_trainer", "test_core", "test_replicas", "test_fault_tolerance", "test_instruction_data",
                "test_streaming", "test_example_preflight", "test_checkpoint_dist", "test_checkpoint_edges",
                "test_iterable_data", "test_flag_fuzz", "test_precision", "test_weights", "test_peft",
                "test_stream_resume", "test_accelerate_scripts")
