@@ -43,7 +43,7 @@ def base_dir(tmp_path_factory):
 
 
 ONE = ("trl", "trl_kto", "trl_reward", "trl_sync", "grpo", "rloo", "grpo_midblock")
-TWO = ("full", "precompute", "lora", "kto", "reward", "sync", "grpo", "grpo_lora", "rloo", "uneven")
+TWO = ("full", "precompute", "lora", "kto", "reward", "sync", "grpo", "grpo_lora", "rloo", "uneven", "grpo_tp")
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +206,14 @@ def test_grpo_killed_after_a_save_resumes_bitwise(base_dir):
     full, resumed = _uninterrupted_and_resumed(base_dir.parent / "grpo_resume", base_dir, "grpo4", "grpo_save")
     assert resumed["global_step"] == 4 and resumed["digest"] == full["digest"]
     assert resumed["losses"] == full["losses"] and resumed["completions"] == full["completions"][2:]
+
+
+def test_online_training_under_tensor_parallelism_is_refused(runs):
+    """tp_size=2 on 2 processes: TRL's generation batch, reward gathering and slicing count every process as a
+    data-parallel rank (measured: 1 vs 2 processes then disagree). One line on every rank, at construction."""
+    error = runs["grpo_tp"]["error"]
+    assert error and error.startswith("GRPOTrainer with tp_size=2, ep_size=1") and "dp_shard_size" in error
+    assert "\n" not in error
 
 
 def test_a_generating_trainer_is_refused_in_one_line(tmp_path, base_dir):

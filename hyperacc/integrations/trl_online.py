@@ -22,7 +22,8 @@ Generation gathers the whole policy once per `generate` call when TRL's ``ds3_ga
 (`seeded_sampling`). What cannot be served is refused in one line before any collective: vLLM (not installed on this kind of
 machine; where it is, hyperacc does not drive it yet), transformers' continuous batching (each rank schedules
 its own batches: the sharded forward would desynchronise), and on several processes tool calling, environments
-and a custom ``rollout_func`` (ranks regenerate independently).
+and a custom ``rollout_func`` (ranks regenerate independently); and, once the Accelerator knows the layout,
+tensor or expert parallelism (TRL counts every process as a data-parallel rank).
 """
 from __future__ import annotations
 
@@ -91,6 +92,19 @@ class HyperaccOnlineMixin(HyperaccTRLMixin):
             if problems:
                 raise NotImplementedError("; ".join(problems))
         super().__init__(*args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """As for every Trainer, then the layouts generation is not verified on (every rank the same answer,
+        before the first collective of training)."""
+        super().create_accelerator_and_postprocess()
+        layout = self.accelerator.parallel_config
+        if layout.tp_size > 1 or layout.ep_size > 1:
+            raise NotImplementedError(
+                f"{type(self).__name__} with tp_size={layout.tp_size}, ep_size={layout.ep_size}: TRL counts every "
+                "process as a data-parallel rank (its generation batch, the rewards it gathers, the slice each "
+                "process keeps), while tensor-parallel peers read the same prompts, and generation on tensor- or "
+                "expert-parallel weights is not verified here (1 vs 2 processes disagree under tp_size=2). Shard "
+                "with dp_shard_size / dp_replicate_size only for online training.")
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
         """TRL's generation, with each sample drawn by its place in the global batch (module doc)."""

@@ -13,6 +13,7 @@ seed 7. The toy reward: the share of even token ids in a completion. Runs:
   grpo4       grpo, 4 steps, checkpoints at steps 2 and 4: the uninterrupted run
   grpo_save   the same, but the process dies right after the step-2 save; with RESUME=1 it resumes instead
   grpo_ga2    grpo with gradient_accumulation_steps=2 (per device 4 / processes; TRL splits each generation in 2)
+  grpo_tp     GRPO with tp_size=2 (2 processes; the last run of its launch): the refusal recorded
   grpo_midblock  num_iterations=2; saved at step 1 (inside a generation block), then resumed under another
               seed, and under its own: the refusals
 
@@ -76,6 +77,17 @@ def run(name, base, out, tok):
         from peft import LoraConfig
 
         kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    if name == "grpo_tp":        # tensor parallelism: refused once the Accelerator knows the layout
+        from accelerate.parallelism_config import ParallelismConfig
+
+        config = _config(trl.GRPOConfig, os.path.join(out, name), world, per_device_train_batch_size=8,
+                         parallelism_config=ParallelismConfig(tp_size=2))
+        try:
+            hyperacc_trl.GRPOTrainer(model=str(base), reward_funcs=reward, args=config, train_dataset=prompts(),
+                                     processing_class=tok)
+        except NotImplementedError as error:
+            return {"error": str(error)}
+        return {"error": None}
     if name == "rloo":
         cls, config = hyperacc_trl.RLOOTrainer, _config(trl.RLOOConfig, os.path.join(out, name), world)
     else:
