@@ -4,12 +4,13 @@ processes (torchrun, gloo, CPU).
 tests/scripts/dpo_runs.py trains a tiny Qwen2 loaded by path (as `trl/scripts/dpo.py` loads it) on 16
 preference pairs read with `load_dataset`, global batch 4, fp32, 3 AdamW steps; its GRPO and RLOO runs
 (tests/scripts/grpo_runs.py) on 8 prompts with a toy reward, 4 completions each. Default run, two launches
-side by side: on 1 process plain `trl.DPOTrainer`, `KTOTrainer`, `RewardTrainer` on accelerate, hyperacc's
-GRPO and RLOO, and a resume inside a generation block; on 2 processes hyperacc's DPO full fine-tune, with
-precomputed reference log-probs and with LoRA, its KTO (full: a sharded reference too), its reward model, GRPO
-(full and LoRA), RLOO and tests/scripts/uneven_generate.py's check (ranks that stop generating at different
-lengths). Slow set: a DPO and a GRPO full fine-tune killed right after their step-2 saves resume to the
-uninterrupted runs' weights, bitwise.
+side by side: on 1 process plain `trl.DPOTrainer` (also with a synced reference), `KTOTrainer`, `RewardTrainer`
+on accelerate, hyperacc's GRPO and RLOO, and resumes refused (inside a generation block, under another seed);
+on 2 processes hyperacc's DPO full fine-tune, with precomputed reference log-probs, with LoRA and with a synced
+reference, its KTO (full: a sharded reference too), its reward model, GRPO (full and LoRA), RLOO,
+tests/scripts/uneven_generate.py's check (ranks that stop generating at different lengths) and GRPO under tensor
+parallelism (refused). Slow set: a DPO and a GRPO full fine-tune killed right after their step-2 saves resume to
+the uninterrupted runs' weights, bitwise; GRPO with gradient accumulation; GRPO on an MoE model.
 """
 import json
 import math
