@@ -77,7 +77,9 @@ def copy_test_sync(tmp_path: Path, variant: str) -> Path:
 
 # The as-shipped script in the slow set: the "all" copy runs its sub-tests and more, differing from it only
 # in the import and the gate lines (test_copy_differs_only_in_import_and_gates), on 1 and 2 processes.
-@pytest.mark.parametrize("variant, nproc", [pytest.param("shipped", 1, marks=pytest.mark.slow), ("all", 1), ("all", 2),
+# The copy on 1 process in the slow set too: its 2-process run passes through the same sub-tests and more.
+@pytest.mark.parametrize("variant, nproc", [pytest.param("shipped", 1, marks=pytest.mark.slow),
+                                            pytest.param("all", 1, marks=pytest.mark.slow), ("all", 2),
                                             pytest.param("shipped", 2, marks=pytest.mark.slow)])
 def test_accelerate_test_sync(tmp_path, variant, nproc):
     script = copy_test_sync(tmp_path, variant)
