@@ -52,8 +52,7 @@ class EvenShare:
 
 def _config(cls, out, world, **overrides):
     return cls(**{**dict(output_dir=out, per_device_train_batch_size=8 // world, num_generations=4,
-                         max_completion_length=12, temperature=1.0, max_steps=3, learning_rate=1e-2,
-                         seed=int(os.environ.get("SEED", "7")),
+                         max_completion_length=12, temperature=1.0, max_steps=3, learning_rate=1e-2, seed=7,
                          logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, bf16=False,
                          use_cpu=True, beta=0.04), **overrides})
 
