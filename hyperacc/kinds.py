@@ -14,9 +14,8 @@ model's answers). A kind whose implementation imports an optional library is reg
 is the model an instance of its wrapper class; such a model cannot exist without its library imported) and
 the name of the module that implements the kind. That module is
 imported -- and registers its kind -- the first time a model passes the predicate. So ``import
-hyperacc`` imports no optional library, a plain model never loads an integration, and no module below
-`hyperacc.integrations` names one: the integrations declare their own lazy entries
-(``hyperacc/integrations/__init__.py``), which the package root imports.
+hyperacc`` imports no optional library and a plain model never loads an integration: each integration
+declares its own lazy entry when it is imported, and this module knows none of them.
 
 The protocol, in the order `prepare()` and the later calls use it:
 
@@ -34,7 +33,7 @@ The protocol, in the order `prepare()` and the later calls use it:
 - `pretrained_state_dict(model, get_state_dict)` and `save_pretrained_on_main_only`: what the prepared
   model's own ``save_pretrained`` gets.
 
-This module imports nothing heavy (no torch): the package root imports it (through `hyperacc.integrations`).
+This module imports nothing heavy (no torch): the package root imports it.
 """
 from __future__ import annotations
 

@@ -162,7 +162,7 @@ class Accelerator(CheckpointingMixin, accelerate.Accelerator):
 
     def prepare_model(self, model: torch.nn.Module, device_placement=None, evaluation_mode: bool = False):
         """Shard ``model`` on the mesh (in place; returns it). ``evaluation_mode=True`` (accelerate's name): a model
-        that is only run, never trained -- a DPO/KTO reference, a teacher: sharded by the same plan, frozen,
+        that is only run, never trained -- a preference trainer's reference, a teacher: sharded by the same plan, frozen,
         in its own dtype, in eval mode; it is not in the checkpoints and no optimizer can hold it."""
         if evaluation_mode:
             return self._prepare_frozen(model)

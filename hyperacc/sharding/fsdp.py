@@ -58,11 +58,11 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype, *, keep_frozen: bool =
     """Store every floating-point parameter in ``dtype``, in place (ties and identities kept; buffers
     such as RoPE frequencies keep their own dtype). Works on the meta device.
 
-    ``keep`` (parameter names: a model kind's `keeps_dtype`, e.g. a PEFT model's frozen base) and
+    ``keep`` (parameter names: a model kind's `keeps_dtype`, e.g. an adapter model's frozen base) and
     ``keep_frozen`` (every frozen parameter) keep their stored dtype. Frozen parameters get no
-    gradient and no optimizer state, so a bf16 base under LoRA stays bf16 under the fp32_master recipe
+    gradient and no optimizer state, so a bf16 base under adapters stays bf16 under the fp32_master recipe
     instead of doubling in size; FSDP2 needs only a unit's trainable parameters to share a dtype, and
-    PEFT's layers cast between adapter and base dtypes. (A plain model is cast whole: its layers
+    adapter layers cast between adapter and base dtypes. (A plain model is cast whole: its layers
     expect one dtype.)"""
     keep = set(keep)
     for name, param in model.named_parameters():
@@ -283,13 +283,12 @@ def reshard(model: nn.Module) -> None:
 def gathered_for_decoding(model: nn.Module, whole: bool = False):
     """``model``'s weights gathered for a run of forwards without backward (decoding), resharded after.
 
-    Always the root unit (embeddings, final norm, head: the weights outside the blocks): transformers'
-    `generate` on a PEFT model calls the base model, not the `PeftModel` that is the sharded root, so the
-    root's forward hook, which gathers them, never fires ("got mixed torch.Tensor and DTensor"); and decoding
-    gathers them once per call instead of once per token. ``whole=True``: every block too, kept gathered
-    across the decoding steps (the whole model on each rank while inside, as DDP holds it; TRL's
-    ``ds3_gather_for_generation``): a 4-layer 38 M model generating 32 tokens on 2 CPU processes spent 2.1x
-    plain TRL's step time gathering each block at each token. The root is initialised first (FSDP2 takes the
+    Always the root unit (embeddings, final norm, head: the weights outside the blocks): a wrapper whose
+    `generate` calls the model it wraps (an adapter wrapper does) bypasses the sharded root's forward hook,
+    which gathers them ("got mixed torch.Tensor and DTensor"); and decoding gathers them once per call
+    instead of once per token. ``whole=True``: every block too, kept gathered across the decoding steps (the
+    whole model on each rank while inside, as DDP holds it): a 4-layer 38 M model generating 32 tokens on 2
+    CPU processes spent 2.1x an unsharded run's step time gathering each block at each token. The root is initialised first (FSDP2 takes the
     first unit to run forward as the root, which here would be a block). Uses FSDP2 internals (the lazy
     init, each unit's post-forward resharding setting, saved and restored as they were): torch 2.6-2.13."""
     if not isinstance(model, FSDPModule):
