@@ -177,11 +177,17 @@ class HyperaccTrainerMixin:
     def _checkpoint_to_resume(self, source) -> Optional[str]:
         path = self._resolved_checkpoint(source)
         if path is not None:
-            if (storage.read_sentinel(path) or {}).get("train_state") == "none":
+            sentinel = storage.read_sentinel(path) or {}
+            if sentinel.get("train_state") == "none":
                 raise ValueError(f"{path} is a weights-only checkpoint (saved with save_only_model=True): it holds no "
                                  "optimizer, scheduler, RNG or data position to resume. Start a new run from its "
                                  "weights (`python -m hyperacc.checkpoint.convert to-hf`), or save full checkpoints.")
+            self._check_resumable(path, sentinel)
         return path
+
+    def _check_resumable(self, path: str, sentinel: dict) -> None:
+        """A subclass's own refusals of checkpoint ``path`` (``sentinel``: its descriptor, read once), before
+        anything is loaded. None here."""
 
     def _resolved_checkpoint(self, source) -> Optional[str]:
         if source is None or source is False:

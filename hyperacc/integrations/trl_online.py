@@ -32,7 +32,6 @@ import math
 
 from transformers import GenerationConfig
 
-from hyperacc.checkpoint import storage
 from hyperacc.integrations import seeded_sampling
 from hyperacc.integrations.trl_reference import HyperaccTRLMixin
 
@@ -117,20 +116,22 @@ class HyperaccOnlineMixin(HyperaccTRLMixin):
                                              gather_whole=whole):
             return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        """Restores the buckets, then TRL's micro-step counter at the start of a generation block (module doc).
-        The completions are drawn from noise keyed by the run's seed: a resume under another seed would go on
-        with other completions than the run it continues, so it is refused."""
-        saved = (storage.read_sentinel(resume_from_checkpoint) or {}).get("seed")
+    def _check_resumable(self, path: str, sentinel: dict) -> None:
+        """Before anything is loaded: the completions are drawn from noise keyed by the run's seed (a resume under
+        another seed would go on with other completions than the run it continues), and those of the generation
+        in use are not in the checkpoint (a resume is exact only at a block's start; module doc)."""
+        saved, step, block = sentinel.get("seed"), int(sentinel.get("global_step", 0)), _block(self.args)
         if saved is not None and int(saved) != int(self.args.seed):
-            raise ValueError(f"{resume_from_checkpoint} was saved by a run with seed={saved}, this one has "
-                             f"seed={self.args.seed}: its completions are drawn from noise keyed by the seed, so "
-                             f"the resumed run would not continue the saved one. Resume with seed={saved}, or start "
-                             "a new run (without resume_from_checkpoint) from its weights.")
+            raise ValueError(f"{path} was saved by a run with seed={saved}, this one has seed={self.args.seed}: its "
+                             "completions are drawn from noise keyed by the seed, so the resumed run would not "
+                             f"continue the saved one. Resume with seed={saved}, or start a new run (without "
+                             "resume_from_checkpoint) from its weights.")
+        if step % block:
+            raise RuntimeError(f"{path} was saved at step {step}, between two generations (every {block} steps): the "
+                               f"completions in use then are not in the checkpoint. Resume a checkpoint at a multiple "
+                               f"of {block}.")
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        """Restores the buckets, then TRL's micro-step counter at the start of the generation block."""
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        step = self.state.global_step
-        if step % _block(self.args):
-            raise RuntimeError(f"{resume_from_checkpoint} was saved at step {step}, between two generations (every "
-                               f"{_block(self.args)} steps): the completions in use then are not in the checkpoint. "
-                               f"Resume a checkpoint at a multiple of {_block(self.args)}.")
-        self._step = step * self.args.gradient_accumulation_steps
+        self._step = self.state.global_step * self.args.gradient_accumulation_steps
